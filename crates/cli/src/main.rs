@@ -1,0 +1,402 @@
+//! # signalweave
+//!
+//! The one binary of SignalWeave. It is the only place that reads configuration from
+//! files and the environment; it turns them into typed config and passes it down to the
+//! library crates. Exit codes: 0 success, 1 a command ran and found a problem, 2 bad
+//! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
+
+mod bench;
+mod output;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use signalweave_fixtures::{Generator, WorkloadSpec};
+use signalweave_lake::{AsOf, Lake, LakeConfig, LakeError, LakeTable, LoadOptions};
+use signalweave_model::{ErrorKind, EventValidator, SchemaRegistry, ValidationLimits};
+
+use crate::output::{Format, print_batches, print_rows};
+
+/// SignalWeave: a batch-and-stream replay and backfill engine on an Iceberg lake.
+#[derive(Debug, Parser)]
+#[command(name = "signalweave", version, about)]
+struct Cli {
+    /// The lake: a directory for the embedded lake (SQLite catalog + local warehouse), or a
+    /// profile file (`*.toml`) naming a catalog URL and a warehouse. Default: ./lake.
+    #[arg(long, global = true, env = "SIGNALWEAVE_LAKE", default_value = "lake")]
+    lake: PathBuf,
+
+    /// Directory of event-type declarations. Default: ./catalog/events.
+    #[arg(
+        long,
+        global = true,
+        env = "SIGNALWEAVE_SCHEMAS",
+        default_value = "catalog/events"
+    )]
+    schemas: PathBuf,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Administer the lake's tables.
+    #[command(subcommand)]
+    Lake(LakeCommand),
+    /// Run a SQL query over the lake (tables are `signalweave.<name>`).
+    Sql {
+        /// The query.
+        query: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+        /// Read every table as it was at this RFC 3339 moment.
+        #[arg(long, conflicts_with = "snapshot")]
+        as_of: Option<String>,
+        /// Read the table that owns this snapshot id as of that snapshot.
+        #[arg(long)]
+        snapshot: Option<i64>,
+    },
+    /// Bulk-load events (NDJSON or Parquet) through the gateway's validation.
+    Load {
+        /// The file to load (`.ndjson`/`.jsonl` or `.parquet`).
+        file: PathBuf,
+        /// Records per commit.
+        #[arg(long, default_value_t = LoadOptions::DEFAULT_CHUNK_RECORDS)]
+        chunk_records: usize,
+        /// Output format of the report.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+    /// Generate deterministic fixture events.
+    #[command(subcommand)]
+    Fixtures(FixturesCommand),
+    /// Run a benchmark (release builds only give meaningful figures).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum LakeCommand {
+    /// Create the namespace and tables if missing (idempotent).
+    Init,
+    /// List the tables with their current snapshot, files and records.
+    Tables {
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+    /// List the snapshots of a table.
+    Snapshots {
+        /// `events`, `rejections` or `late_events`.
+        table: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum FixturesCommand {
+    /// Write generated events as NDJSON.
+    Generate {
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Distinct events.
+        #[arg(long, default_value_t = 10_000)]
+        events: u64,
+        /// Seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Fraction resent as duplicates.
+        #[arg(long, default_value_t = 0.01)]
+        dup_fraction: f64,
+        /// Fraction arriving late.
+        #[arg(long, default_value_t = 0.01)]
+        late_fraction: f64,
+        /// Fraction of extra invalid records.
+        #[arg(long, default_value_t = 0.0)]
+        invalid_fraction: f64,
+        /// Distinct events per second of event time.
+        #[arg(long, default_value_t = 100)]
+        events_per_sec: u64,
+    },
+}
+
+/// Reads the lake option: a directory (embedded) or a TOML profile file.
+fn lake_config(path: &Path) -> Result<LakeConfig> {
+    if path.extension().is_some_and(|e| e == "toml") {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading lake profile {}", path.display()))?;
+        let config: LakeConfig =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        Ok(config)
+    } else {
+        Ok(LakeConfig::embedded(path))
+    }
+}
+
+async fn open_lake(cli: &Cli) -> Result<Lake> {
+    let lake = Lake::open(lake_config(&cli.lake)?).await?;
+    lake.init().await?;
+    Ok(lake)
+}
+
+fn validator(cli: &Cli) -> Result<EventValidator> {
+    let registry = SchemaRegistry::load_dir(&cli.schemas)
+        .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+    Ok(EventValidator::new(
+        Arc::new(registry),
+        ValidationLimits::default(),
+    ))
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    match &cli.command {
+        Command::Lake(LakeCommand::Init) => {
+            let lake = Lake::open(lake_config(&cli.lake)?).await?;
+            let created = lake.init().await?;
+            for (table, new) in created {
+                println!(
+                    "signalweave.{:<12} {}",
+                    table.name(),
+                    if new { "created" } else { "exists" }
+                );
+            }
+            println!(
+                "catalog {} · warehouse {}",
+                lake.config().redacted_catalog_url(),
+                lake.config().warehouse_location()
+            );
+        }
+        Command::Lake(LakeCommand::Tables { format }) => {
+            let lake = open_lake(&cli).await?;
+            let mut rows = Vec::new();
+            for table in LakeTable::ALL {
+                let snaps = lake.snapshots(table).await?;
+                let t = lake.table(table).await?;
+                let current = t.metadata().current_snapshot();
+                let props = current.map(|s| s.summary().additional_properties.clone());
+                let get = |k: &str| {
+                    props
+                        .as_ref()
+                        .and_then(|p| p.get(k).cloned())
+                        .unwrap_or_else(|| "0".into())
+                };
+                rows.push(vec![
+                    format!("signalweave.{}", table.name()),
+                    current
+                        .map(|s| s.snapshot_id().to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    snaps.len().to_string(),
+                    get("total-data-files"),
+                    get("total-records"),
+                    t.metadata().location().to_string(),
+                ]);
+            }
+            print_rows(
+                *format,
+                &[
+                    "table",
+                    "current_snapshot",
+                    "snapshots",
+                    "data_files",
+                    "records",
+                    "location",
+                ],
+                rows,
+            )?;
+        }
+        Command::Lake(LakeCommand::Snapshots { table, format }) => {
+            let lake = open_lake(&cli).await?;
+            let table = LakeTable::from_name(table)?;
+            let rows = lake
+                .snapshots(table)
+                .await?
+                .into_iter()
+                .map(|s| {
+                    vec![
+                        s.snapshot_id.to_string(),
+                        s.parent_id.map(|p| p.to_string()).unwrap_or_default(),
+                        s.sequence_number.to_string(),
+                        chrono::DateTime::from_timestamp_millis(s.timestamp_ms)
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_default(),
+                        s.operation,
+                        s.writer_id.unwrap_or_default(),
+                        s.batch_seq.map(|b| b.to_string()).unwrap_or_default(),
+                        s.added_records.to_string(),
+                        s.added_files.to_string(),
+                        s.total_records.to_string(),
+                    ]
+                })
+                .collect();
+            print_rows(
+                *format,
+                &[
+                    "snapshot_id",
+                    "parent_id",
+                    "sequence",
+                    "committed_at",
+                    "operation",
+                    "writer",
+                    "batch_seq",
+                    "added_records",
+                    "added_files",
+                    "total_records",
+                ],
+                rows,
+            )?;
+        }
+        Command::Sql {
+            query,
+            format,
+            as_of,
+            snapshot,
+        } => {
+            let lake = open_lake(&cli).await?;
+            let ctx = match (as_of, snapshot) {
+                (Some(t), _) => {
+                    let at = chrono::DateTime::parse_from_rfc3339(t)
+                        .with_context(|| format!("--as-of `{t}` is not RFC 3339"))?;
+                    lake.session_context_as_of(AsOf::Timestamp(at.timestamp_millis()))
+                        .await?
+                }
+                (None, Some(id)) => lake.session_context_as_of(AsOf::Snapshot(*id)).await?,
+                (None, None) => lake.session_context().await?,
+            };
+            let df = ctx
+                .sql(query)
+                .await
+                .map_err(|e| LakeError::datafusion("plan query", e))?;
+            let batches = df
+                .collect()
+                .await
+                .map_err(|e| LakeError::datafusion("run query", e))?;
+            print_batches(*format, &batches)?;
+        }
+        Command::Load {
+            file,
+            chunk_records,
+            format,
+        } => {
+            let validator = validator(&cli)?;
+            let lake = open_lake(&cli).await?;
+            let options = LoadOptions {
+                chunk_records: *chunk_records,
+                now_us: None,
+                source_name: format!("load:{}", file.display()),
+            };
+            let report = lake.load_file(file, &validator, &options).await?;
+            let mut rows = vec![
+                vec!["records".to_string(), report.records.to_string()],
+                vec!["accepted".into(), report.accepted.to_string()],
+                vec![
+                    "accepted_earlier".into(),
+                    report.accepted_earlier.to_string(),
+                ],
+                vec!["duplicates".into(), report.duplicates.to_string()],
+                vec!["rejected".into(), report.rejected.to_string()],
+                vec![
+                    "chunks_committed".into(),
+                    report.chunks_committed.to_string(),
+                ],
+                vec!["chunks_skipped".into(), report.chunks_skipped.to_string()],
+            ];
+            for (reason, n) in &report.rejected_by_reason {
+                rows.push(vec![format!("rejected:{reason}"), n.to_string()]);
+            }
+            if *format == Format::Json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print_rows(*format, &["measure", "value"], rows)?;
+            }
+        }
+        Command::Fixtures(FixturesCommand::Generate {
+            out,
+            events,
+            seed,
+            dup_fraction,
+            late_fraction,
+            invalid_fraction,
+            events_per_sec,
+        }) => {
+            use std::io::Write;
+            let spec = WorkloadSpec {
+                seed: *seed,
+                events: *events,
+                dup_fraction: *dup_fraction,
+                late_fraction: *late_fraction,
+                invalid_fraction: *invalid_fraction,
+                events_per_sec: *events_per_sec,
+                ..Default::default()
+            };
+            let file = std::fs::File::create(out)
+                .with_context(|| format!("creating {}", out.display()))?;
+            let mut w = std::io::BufWriter::new(file);
+            let mut n = 0u64;
+            for record in Generator::new(spec) {
+                writeln!(w, "{}", record.to_json_line())?;
+                n += 1;
+            }
+            w.flush()?;
+            eprintln!("wrote {n} records to {}", out.display());
+        }
+        Command::Bench(cmd) => {
+            let config = lake_config(&cli.lake)?;
+            bench::run(cmd, config).await?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn exit_code(err: &anyhow::Error) -> u8 {
+    let kind = err
+        .chain()
+        .find_map(|e| e.downcast_ref::<LakeError>().map(LakeError::kind))
+        .or_else(|| {
+            err.chain().find_map(|e| {
+                e.downcast_ref::<signalweave_model::Error>()
+                    .map(|e| e.kind())
+            })
+        });
+    match kind {
+        Some(ErrorKind::InvalidInput | ErrorKind::NotFound | ErrorKind::Config) => 2,
+        Some(ErrorKind::Unavailable | ErrorKind::Conflict) => 3,
+        Some(ErrorKind::Internal) => 4,
+        None => 2,
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SIGNALWEAVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::from(4);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(exit_code(&err))
+        }
+    }
+}

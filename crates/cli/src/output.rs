@@ -1,0 +1,87 @@
+//! Printing data for people (`table`) and for programs (`json`, `csv`).
+
+use anyhow::Result;
+use arrow::array::RecordBatch;
+use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+
+/// Output format of a data-printing command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// A table for people.
+    Table,
+    /// CSV with a header row.
+    Csv,
+    /// A JSON array of objects.
+    Json,
+}
+
+/// Prints string rows under `header`.
+pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Result<()> {
+    match format {
+        Format::Table => {
+            let mut t = Table::new();
+            t.load_preset(UTF8_FULL_CONDENSED)
+                .set_content_arrangement(ContentArrangement::Dynamic)
+                .set_header(header.to_vec());
+            for r in rows {
+                t.add_row(r);
+            }
+            println!("{t}");
+        }
+        Format::Csv => {
+            println!("{}", header.join(","));
+            for r in rows {
+                let escaped: Vec<String> = r
+                    .into_iter()
+                    .map(|v| {
+                        if v.contains([',', '"', '\n']) {
+                            format!("\"{}\"", v.replace('"', "\"\""))
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+                println!("{}", escaped.join(","));
+            }
+        }
+        Format::Json => {
+            let out: Vec<serde_json::Map<String, serde_json::Value>> = rows
+                .into_iter()
+                .map(|r| {
+                    header
+                        .iter()
+                        .map(|h| h.to_string())
+                        .zip(r.into_iter().map(serde_json::Value::String))
+                        .collect()
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        }
+    }
+    Ok(())
+}
+
+/// Prints query results.
+pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
+    match format {
+        Format::Table => {
+            println!("{}", arrow::util::pretty::pretty_format_batches(batches)?);
+        }
+        Format::Csv => {
+            let mut w = arrow::csv::WriterBuilder::new()
+                .with_header(true)
+                .build(std::io::stdout());
+            for b in batches {
+                w.write(b)?;
+            }
+        }
+        Format::Json => {
+            let mut w = arrow::json::ArrayWriter::new(std::io::stdout());
+            let refs: Vec<&RecordBatch> = batches.iter().collect();
+            w.write_batches(&refs)?;
+            w.finish()?;
+            println!();
+        }
+    }
+    Ok(())
+}

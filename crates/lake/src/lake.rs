@@ -1,0 +1,760 @@
+//! [`Lake`]: the opened catalog and warehouse, and every table operation.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use futures::{StreamExt, TryStreamExt, stream};
+use iceberg::expr::Reference;
+use iceberg::io::StorageFactory;
+use iceberg::scan::{ArrowRecordBatchStream, FileScanTask};
+use iceberg::spec::{DataContentType, DataFile, Datum, ManifestStatus, Operation};
+use iceberg::table::Table;
+use iceberg::transaction::{ApplyTransactionAction, Transaction};
+use iceberg::writer::base_writer::data_file_writer::DataFileWriterBuilder;
+use iceberg::writer::file_writer::ParquetWriterBuilder;
+use iceberg::writer::file_writer::location_generator::{
+    DefaultFileNameGenerator, DefaultLocationGenerator,
+};
+use iceberg::writer::file_writer::rolling_writer::RollingFileWriterBuilder;
+use iceberg::writer::partitioning::PartitioningWriter;
+use iceberg::writer::partitioning::fanout_writer::FanoutWriter;
+use iceberg::{Catalog, CatalogBuilder, NamespaceIdent, TableCreation, TableIdent};
+use iceberg_catalog_sql::{SqlBindStyle, SqlCatalog, SqlCatalogBuilder};
+use iceberg_storage_opendal::OpenDalStorageFactory;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use serde::Serialize;
+use signalweave_model::ErrorKind;
+use sqlx::AnyPool;
+use sqlx::any::AnyPoolOptions;
+
+use crate::config::{LakeConfig, Warehouse};
+use crate::error::{LakeError, Result};
+use crate::layout::{LakeTable, NAMESPACE, SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID};
+
+/// Default target size of a data file written by an append: 128 MiB.
+pub const DEFAULT_TARGET_FILE_SIZE: usize = 128 * 1024 * 1024;
+/// How many times an append retries a transient failure (after iceberg's own conflict retries).
+pub const DEFAULT_APPEND_ATTEMPTS: u32 = 6;
+
+/// Who made a commit: the writer's stable id and its batch sequence number.
+///
+/// An append records both in its snapshot summary. Before committing, and before every
+/// retry, the lake looks for a retained snapshot with the same pair: if it exists the
+/// batch was already applied and is not applied again.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct CommitIdentity {
+    /// Stable id of the writer (a gateway instance, a `load` of one file, a job sink).
+    pub writer_id: String,
+    /// The writer's sequence number for this batch.
+    pub batch_seq: u64,
+}
+
+impl CommitIdentity {
+    /// An identity from its parts.
+    pub fn new(writer_id: impl Into<String>, batch_seq: u64) -> Self {
+        Self {
+            writer_id: writer_id.into(),
+            batch_seq,
+        }
+    }
+}
+
+/// What an append did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AppendOutcome {
+    /// The snapshot that holds the batch.
+    pub snapshot_id: i64,
+    /// Rows in the batch.
+    pub rows: u64,
+    /// Data files written (0 when already committed).
+    pub data_files: usize,
+    /// True when an earlier attempt had already committed this identity.
+    pub already_committed: bool,
+}
+
+/// One snapshot of a table, as `lake snapshots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotInfo {
+    /// Snapshot id.
+    pub snapshot_id: i64,
+    /// Parent snapshot id.
+    pub parent_id: Option<i64>,
+    /// Sequence number.
+    pub sequence_number: i64,
+    /// Commit time, milliseconds since the epoch.
+    pub timestamp_ms: i64,
+    /// Operation (`append`, `replace`, ...).
+    pub operation: String,
+    /// Writer id from the summary, if a SignalWeave writer made it.
+    pub writer_id: Option<String>,
+    /// Batch sequence from the summary.
+    pub batch_seq: Option<u64>,
+    /// Records added.
+    pub added_records: u64,
+    /// Data files added.
+    pub added_files: u64,
+    /// Records in the table after it.
+    pub total_records: u64,
+}
+
+/// A planned read: the files to scan and how many the plan skipped.
+#[derive(Debug, Clone)]
+pub struct ScanPlan {
+    /// Snapshot read (None for an empty table).
+    pub snapshot_id: Option<i64>,
+    /// Files to read.
+    pub tasks: Vec<FileScanTask>,
+    /// Data files in the snapshot before pruning.
+    pub total_files: u64,
+}
+
+impl ScanPlan {
+    /// Records in the planned files (before row filtering).
+    pub fn planned_records(&self) -> u64 {
+        self.tasks.iter().filter_map(|t| t.record_count).sum()
+    }
+}
+
+/// The data files appended after one position, up to another: the live tail's read.
+#[derive(Debug, Clone)]
+pub struct IncrementalPlan {
+    /// The position read after (exclusive); None means from the table's start.
+    pub after: Option<i64>,
+    /// The position read up to (inclusive): the next `after`.
+    pub upto: Option<i64>,
+    /// Snapshots in (after, upto] in commit order.
+    pub snapshots: Vec<i64>,
+    /// Files appended by those snapshots, in commit order.
+    pub tasks: Vec<FileScanTask>,
+}
+
+/// The opened lake: catalog database, warehouse, and SignalWeave's tables.
+#[derive(Debug, Clone)]
+pub struct Lake {
+    config: LakeConfig,
+    catalog: Arc<SqlCatalog>,
+    control: AnyPool,
+}
+
+fn sqlx_url(config: &LakeConfig) -> String {
+    if config.is_sqlite() && !config.catalog_url.contains('?') {
+        format!("{}?mode=rwc", config.catalog_url)
+    } else {
+        config.catalog_url.clone()
+    }
+}
+
+impl Lake {
+    /// Opens the lake described by `config`, creating the SQLite file and the local
+    /// warehouse directory if they do not exist. Tables are created by [`Lake::init`].
+    pub async fn open(config: LakeConfig) -> Result<Self> {
+        sqlx::any::install_default_drivers();
+        if let Some(path) = config.sqlite_path()
+            && let Some(dir) = path.parent()
+        {
+            create_dir(dir)?;
+        }
+        if let Warehouse::Local { path } = &config.warehouse {
+            create_dir(path)?;
+        }
+        let url = sqlx_url(&config);
+        let control = AnyPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&url)
+            .await
+            .map_err(|e| {
+                LakeError::sql(
+                    format!(
+                        "cannot connect to catalog {}",
+                        config.redacted_catalog_url()
+                    ),
+                    e,
+                )
+            })?;
+        if config.is_sqlite() {
+            // WAL lets readers (sql, the live tail) run while a writer commits.
+            sqlx::query("PRAGMA journal_mode=WAL")
+                .execute(&control)
+                .await
+                .map_err(|e| LakeError::sql("enable WAL on the SQLite catalog", e))?;
+        }
+        let factory: Arc<dyn StorageFactory> = match &config.warehouse {
+            Warehouse::Local { .. } => Arc::new(OpenDalStorageFactory::Fs),
+            Warehouse::S3(_) => Arc::new(OpenDalStorageFactory::S3 {
+                customized_credential_load: None,
+            }),
+        };
+        let bind = if config.is_sqlite() {
+            SqlBindStyle::QMark
+        } else {
+            SqlBindStyle::DollarNumeric
+        };
+        let mut props = config.storage_props();
+        props.insert("pool.max-connections".into(), "4".into());
+        let catalog = SqlCatalogBuilder::default()
+            .uri(url)
+            .warehouse_location(config.warehouse_location())
+            .sql_bind_style(bind)
+            .props(props)
+            .with_storage_factory(factory)
+            .load(config.catalog_name.clone(), HashMap::new())
+            .await
+            .map_err(|e| {
+                LakeError::iceberg(
+                    format!("cannot open catalog {}", config.redacted_catalog_url()),
+                    e,
+                )
+            })?;
+        Ok(Self {
+            config,
+            catalog: Arc::new(catalog),
+            control,
+        })
+    }
+
+    /// The profile this lake was opened with.
+    pub fn config(&self) -> &LakeConfig {
+        &self.config
+    }
+
+    /// The Iceberg catalog.
+    pub fn catalog(&self) -> Arc<dyn Catalog> {
+        Arc::clone(&self.catalog) as Arc<dyn Catalog>
+    }
+
+    /// The catalog database pool, home of SignalWeave's `sw_` control tables.
+    pub fn control_pool(&self) -> &AnyPool {
+        &self.control
+    }
+
+    /// Identifier of a built-in table.
+    pub fn ident(table: LakeTable) -> TableIdent {
+        TableIdent::new(
+            NamespaceIdent::new(NAMESPACE.to_string()),
+            table.name().to_string(),
+        )
+    }
+
+    /// Creates the namespace, the built-in tables and the control tables, where missing.
+    /// Returns each table with whether this call created it. Safe to run concurrently and repeatedly.
+    pub async fn init(&self) -> Result<Vec<(LakeTable, bool)>> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_meta (meta_key VARCHAR(255) PRIMARY KEY, meta_value VARCHAR(1000) NOT NULL)",
+        )
+        .execute(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_meta", e))?;
+        let ns = NamespaceIdent::new(NAMESPACE.to_string());
+        let exists = self
+            .catalog
+            .namespace_exists(&ns)
+            .await
+            .map_err(|e| LakeError::iceberg("check namespace", e))?;
+        if !exists
+            && let Err(e) = self.catalog.create_namespace(&ns, HashMap::new()).await
+            && e.kind() != iceberg::ErrorKind::NamespaceAlreadyExists
+        {
+            return Err(LakeError::iceberg("create namespace signalweave", e));
+        }
+        let mut created = Vec::new();
+        for table in LakeTable::ALL {
+            let ident = Self::ident(table);
+            let exists = self
+                .catalog
+                .table_exists(&ident)
+                .await
+                .map_err(|e| LakeError::iceberg(format!("check {ident}"), e))?;
+            if exists {
+                created.push((table, false));
+                continue;
+            }
+            let schema = table.iceberg_schema()?;
+            let spec = table.partition_spec(&schema)?;
+            let creation = TableCreation::builder()
+                .name(table.name().to_string())
+                .schema(schema)
+                .partition_spec(spec)
+                .properties(table.properties())
+                .build();
+            match self.catalog.create_table(&ns, creation).await {
+                Ok(_) => created.push((table, true)),
+                Err(e) if e.kind() == iceberg::ErrorKind::TableAlreadyExists => {
+                    created.push((table, false))
+                }
+                Err(e) => return Err(LakeError::iceberg(format!("create {ident}"), e)),
+            }
+        }
+        let upsert = if self.config.is_sqlite() {
+            "INSERT OR IGNORE INTO sw_meta (meta_key, meta_value) VALUES ('layout_version', '1')"
+        } else {
+            "INSERT INTO sw_meta (meta_key, meta_value) VALUES ('layout_version', '1') ON CONFLICT (meta_key) DO NOTHING"
+        };
+        sqlx::query(upsert)
+            .execute(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("record layout version", e))?;
+        Ok(created)
+    }
+
+    /// Loads a built-in table's current metadata.
+    pub async fn table(&self, table: LakeTable) -> Result<Table> {
+        let ident = Self::ident(table);
+        self.catalog.load_table(&ident).await.map_err(|e| {
+            let mut err = LakeError::iceberg(format!("load {ident}"), e);
+            if err.kind() == ErrorKind::NotFound {
+                err = LakeError::new(
+                    ErrorKind::NotFound,
+                    format!("table {ident} does not exist; run `signalweave lake init`"),
+                );
+            }
+            err
+        })
+    }
+
+    /// The snapshot of `table` committed with `identity`, if one is retained.
+    pub fn find_commit(table: &Table, identity: &CommitIdentity) -> Option<i64> {
+        let seq = identity.batch_seq.to_string();
+        table
+            .metadata()
+            .snapshots()
+            .find(|s| {
+                let props = &s.summary().additional_properties;
+                props.get(SUMMARY_WRITER_ID) == Some(&identity.writer_id)
+                    && props.get(SUMMARY_BATCH_SEQ) == Some(&seq)
+            })
+            .map(|s| s.snapshot_id())
+    }
+
+    /// Appends `batches` to `table` as Parquet data files in one fast-append commit
+    /// recorded under `identity`.
+    ///
+    /// Idempotent: if a retained snapshot already carries `identity`, nothing is written
+    /// and the outcome says `already_committed`. Commit conflicts are retried on the new
+    /// base by iceberg; transient failures (catalog or object store unavailable) are
+    /// retried here with exponential backoff, checking `identity` before each retry, so
+    /// an attempt whose outcome was unknown is never applied twice.
+    pub async fn append(
+        &self,
+        table: LakeTable,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+    ) -> Result<AppendOutcome> {
+        let expected = table.arrow_schema();
+        for b in batches {
+            if b.schema().fields() != expected.fields() {
+                return Err(LakeError::new(
+                    ErrorKind::InvalidInput,
+                    format!("batch schema does not match {}", table.name()),
+                ));
+            }
+        }
+        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let mut backoff = Duration::from_millis(50);
+        let mut written: Option<Vec<DataFile>> = None;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let result = self
+                .append_attempt(table, batches, identity, rows, &mut written)
+                .await;
+            match result {
+                Ok(outcome) => return Ok(outcome),
+                Err(e) if e.retryable() && attempt < DEFAULT_APPEND_ATTEMPTS => {
+                    tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn append_attempt(
+        &self,
+        table: LakeTable,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+        rows: u64,
+        written: &mut Option<Vec<DataFile>>,
+    ) -> Result<AppendOutcome> {
+        let current = self.table(table).await?;
+        if let Some(snapshot_id) = Self::find_commit(&current, identity) {
+            return Ok(AppendOutcome {
+                snapshot_id,
+                rows,
+                data_files: 0,
+                already_committed: true,
+            });
+        }
+        if rows == 0 {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "an append needs at least one row",
+            ));
+        }
+        let files = match written.take() {
+            Some(files) => files,
+            None => self.write_data_files(&current, batches, identity).await?,
+        };
+        let data_files = files.len();
+        let props: HashMap<String, String> = [
+            (SUMMARY_WRITER_ID.to_string(), identity.writer_id.clone()),
+            (
+                SUMMARY_BATCH_SEQ.to_string(),
+                identity.batch_seq.to_string(),
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let tx = Transaction::new(&current);
+        let action = tx
+            .fast_append()
+            .with_check_duplicate(false)
+            .set_snapshot_properties(props)
+            .add_data_files(files.clone());
+        let tx = action
+            .apply(tx)
+            .map_err(|e| LakeError::iceberg("plan append", e))?;
+        match tx.commit(self.catalog.as_ref()).await {
+            Ok(committed) => {
+                let snapshot_id = Self::find_commit(&committed, identity)
+                    .or_else(|| committed.metadata().current_snapshot_id())
+                    .unwrap_or_default();
+                Ok(AppendOutcome {
+                    snapshot_id,
+                    rows,
+                    data_files,
+                    already_committed: false,
+                })
+            }
+            Err(e) => {
+                *written = Some(files);
+                Err(LakeError::iceberg(
+                    format!("commit to {}", Self::ident(table)),
+                    e,
+                ))
+            }
+        }
+    }
+
+    async fn write_data_files(
+        &self,
+        table: &Table,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+    ) -> Result<Vec<DataFile>> {
+        let metadata = table.metadata();
+        let schema = metadata.current_schema().clone();
+        let spec = metadata.default_partition_spec().clone();
+        let props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1).map_err(|e| {
+                LakeError::new(ErrorKind::Internal, format!("zstd level: {e}"))
+            })?))
+            .build();
+        let location = DefaultLocationGenerator::new(metadata)
+            .map_err(|e| LakeError::iceberg("location generator", e))?;
+        let safe_writer: String = identity
+            .writer_id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(48)
+            .collect();
+        let names = DefaultFileNameGenerator::new(
+            format!(
+                "{safe_writer}-{}-{}",
+                identity.batch_seq,
+                uuid::Uuid::new_v4().simple()
+            ),
+            None,
+            iceberg::spec::DataFileFormat::Parquet,
+        );
+        let rolling = RollingFileWriterBuilder::new(
+            ParquetWriterBuilder::new(props, schema.clone()),
+            DEFAULT_TARGET_FILE_SIZE,
+            table.file_io().clone(),
+            location,
+            names,
+        );
+        let mut writer = FanoutWriter::new(DataFileWriterBuilder::new(rolling));
+        let splitter = iceberg::arrow::RecordBatchPartitionSplitter::try_new_with_computed_values(
+            schema, spec,
+        )
+        .map_err(|e| LakeError::iceberg("partition splitter", e))?;
+        for batch in batches {
+            let parts = splitter
+                .split(batch)
+                .map_err(|e| LakeError::iceberg("split batch by partition", e))?;
+            for (key, part) in parts {
+                writer
+                    .write(key, part)
+                    .await
+                    .map_err(|e| LakeError::iceberg("write data file", e))?;
+            }
+        }
+        writer
+            .close()
+            .await
+            .map_err(|e| LakeError::iceberg("close data files", e))
+    }
+
+    /// The snapshots of `table`, oldest first.
+    pub async fn snapshots(&self, table: LakeTable) -> Result<Vec<SnapshotInfo>> {
+        let t = self.table(table).await?;
+        let mut out: Vec<SnapshotInfo> = t
+            .metadata()
+            .snapshots()
+            .map(|s| {
+                let p = &s.summary().additional_properties;
+                let num = |k: &str| p.get(k).and_then(|v| v.parse().ok()).unwrap_or(0);
+                SnapshotInfo {
+                    snapshot_id: s.snapshot_id(),
+                    parent_id: s.parent_snapshot_id(),
+                    sequence_number: s.sequence_number(),
+                    timestamp_ms: s.timestamp_ms(),
+                    operation: s.summary().operation.as_str().to_string(),
+                    writer_id: p.get(SUMMARY_WRITER_ID).cloned(),
+                    batch_seq: p.get(SUMMARY_BATCH_SEQ).and_then(|v| v.parse().ok()),
+                    added_records: num("added-records"),
+                    added_files: num("added-data-files"),
+                    total_records: num("total-records"),
+                }
+            })
+            .collect();
+        out.sort_by_key(|s| (s.sequence_number, s.timestamp_ms));
+        Ok(out)
+    }
+
+    /// The snapshot of `table` that was current at `timestamp_ms`, if any.
+    pub async fn snapshot_as_of(&self, table: LakeTable, timestamp_ms: i64) -> Result<Option<i64>> {
+        let t = self.table(table).await?;
+        Ok(t.metadata()
+            .history()
+            .iter()
+            .filter(|entry| entry.timestamp_ms <= timestamp_ms)
+            .max_by_key(|entry| entry.timestamp_ms)
+            .map(|entry| entry.snapshot_id))
+    }
+
+    /// Plans a scan of `table` for `from_us <= time column < to_us` (microseconds),
+    /// as of `snapshot_id` or the current snapshot. Day partitions outside the range are
+    /// pruned from the manifests; rows outside it are filtered when read.
+    pub async fn plan_time_range(
+        &self,
+        table: LakeTable,
+        from_us: i64,
+        to_us: i64,
+        snapshot_id: Option<i64>,
+    ) -> Result<ScanPlan> {
+        let t = self.table(table).await?;
+        let column = table.time_column();
+        let predicate = Reference::new(column)
+            .greater_than_or_equal_to(Datum::timestamptz_micros(from_us))
+            .and(Reference::new(column).less_than(Datum::timestamptz_micros(to_us)));
+        let snapshot = match snapshot_id {
+            Some(id) => Some(t.metadata().snapshot_by_id(id).cloned().ok_or_else(|| {
+                LakeError::new(
+                    ErrorKind::NotFound,
+                    format!("snapshot {id} is not retained by {}", table.name()),
+                )
+            })?),
+            None => t.metadata().current_snapshot().cloned(),
+        };
+        let Some(snapshot) = snapshot else {
+            return Ok(ScanPlan {
+                snapshot_id: None,
+                tasks: Vec::new(),
+                total_files: 0,
+            });
+        };
+        let total_files = snapshot
+            .summary()
+            .additional_properties
+            .get("total-data-files")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let scan = t
+            .scan()
+            .snapshot_id(snapshot.snapshot_id())
+            .with_filter(predicate)
+            .build()
+            .map_err(|e| LakeError::iceberg("plan range scan", e))?;
+        let tasks: Vec<FileScanTask> = scan
+            .plan_files()
+            .await
+            .map_err(|e| LakeError::iceberg("plan range scan", e))?
+            .try_collect()
+            .await
+            .map_err(|e| LakeError::iceberg("plan range scan", e))?;
+        Ok(ScanPlan {
+            snapshot_id: Some(snapshot.snapshot_id()),
+            tasks,
+            total_files,
+        })
+    }
+
+    /// Plans the live tail's read: the data files appended by snapshots after `after`
+    /// (exclusive; None = from the start) up to the current snapshot. Snapshots that add
+    /// no new rows (`replace`, such as compaction) are skipped. Fails with `NotFound` when
+    /// `after` is no longer an ancestor of the current snapshot (expired position).
+    pub async fn plan_appended_since(
+        &self,
+        table: LakeTable,
+        after: Option<i64>,
+    ) -> Result<IncrementalPlan> {
+        let t = self.table(table).await?;
+        let metadata = t.metadata();
+        let Some(current) = metadata.current_snapshot() else {
+            return Ok(IncrementalPlan {
+                after,
+                upto: after,
+                snapshots: Vec::new(),
+                tasks: Vec::new(),
+            });
+        };
+        let mut chain = Vec::new();
+        let mut cursor = Some(current.clone());
+        let mut reached = after.is_none();
+        while let Some(s) = cursor {
+            if Some(s.snapshot_id()) == after {
+                reached = true;
+                break;
+            }
+            let parent = s.parent_snapshot_id();
+            chain.push(s);
+            cursor = parent.and_then(|p| metadata.snapshot_by_id(p).cloned());
+        }
+        if !reached {
+            return Err(LakeError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "position {} is not an ancestor of the current snapshot of {} (expired?)",
+                    after.unwrap_or_default(),
+                    table.name()
+                ),
+            ));
+        }
+        chain.reverse();
+        let schema = metadata.current_schema().clone();
+        let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
+        let mut tasks = Vec::new();
+        let snapshots: Vec<i64> = chain.iter().map(|s| s.snapshot_id()).collect();
+        for snapshot in &chain {
+            if snapshot.summary().operation == Operation::Replace {
+                continue;
+            }
+            let list = t
+                .manifest_list_reader(snapshot)
+                .load()
+                .await
+                .map_err(|e| LakeError::iceberg("read manifest list", e))?;
+            let added: Vec<_> = list
+                .entries()
+                .iter()
+                .filter(|m| m.added_snapshot_id == snapshot.snapshot_id() && m.has_added_files())
+                .cloned()
+                .collect();
+            let manifests: Vec<_> = stream::iter(added)
+                .map(|m| {
+                    let io = t.file_io().clone();
+                    async move {
+                        let spec_id = m.partition_spec_id;
+                        m.load_manifest(&io)
+                            .await
+                            .map(|manifest| (spec_id, manifest))
+                    }
+                })
+                .buffered(8)
+                .try_collect()
+                .await
+                .map_err(|e| LakeError::iceberg("read manifest", e))?;
+            for (spec_id, manifest) in manifests {
+                let spec = metadata.partition_spec_by_id(spec_id).cloned();
+                for entry in manifest.entries() {
+                    if entry.status() != ManifestStatus::Added
+                        || entry.content_type() != DataContentType::Data
+                    {
+                        continue;
+                    }
+                    let file = entry.data_file();
+                    tasks.push(
+                        FileScanTask::builder()
+                            .with_file_size_in_bytes(file.file_size_in_bytes())
+                            .with_start(0)
+                            .with_length(file.file_size_in_bytes())
+                            .with_record_count(Some(file.record_count()))
+                            .with_data_file_path(file.file_path().to_string())
+                            .with_data_file_format(file.file_format())
+                            .with_schema(schema.clone())
+                            .with_project_field_ids(field_ids.clone())
+                            .with_partition(Some(file.partition().clone()))
+                            .with_partition_spec(spec.clone())
+                            .with_case_sensitive(true)
+                            .build(),
+                    );
+                }
+            }
+        }
+        Ok(IncrementalPlan {
+            after,
+            upto: Some(current.snapshot_id()),
+            snapshots,
+            tasks,
+        })
+    }
+
+    /// Reads planned files of `table` as Arrow batches.
+    pub async fn read(
+        &self,
+        table: LakeTable,
+        tasks: Vec<FileScanTask>,
+    ) -> Result<ArrowRecordBatchStream> {
+        let t = self.table(table).await?;
+        let reader = t.reader_builder().with_batch_size(8192).build();
+        let tasks = stream::iter(tasks.into_iter().map(Ok)).boxed();
+        reader
+            .read(tasks)
+            .map(|r| r.stream())
+            .map_err(|e| LakeError::iceberg("read data files", e))
+    }
+
+    /// Reads planned files of `table` into memory.
+    pub async fn read_all(
+        &self,
+        table: LakeTable,
+        tasks: Vec<FileScanTask>,
+    ) -> Result<Vec<RecordBatch>> {
+        self.read(table, tasks)
+            .await?
+            .try_collect()
+            .await
+            .map_err(|e| LakeError::iceberg("read data files", e))
+    }
+
+    /// Distinct data-file paths referenced by the current snapshot of `table`.
+    pub async fn current_data_files(&self, table: LakeTable) -> Result<HashSet<String>> {
+        let plan = self
+            .plan_time_range(table, i64::MIN, i64::MAX, None)
+            .await?;
+        Ok(plan.tasks.into_iter().map(|t| t.data_file_path).collect())
+    }
+}
+
+fn create_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        LakeError::new(
+            ErrorKind::Unavailable,
+            format!("cannot create {}: {e}", dir.display()),
+        )
+    })
+}

@@ -1,0 +1,38 @@
+//! # signalweave-lake
+//!
+//! The lake is SignalWeave's durable, replayable event history and its output store:
+//! Apache Iceberg tables in an SQL catalog (the JDBC-catalog schema, so PyIceberg, Spark
+//! and Trino read the same tables) over a local or S3 warehouse.
+//!
+//! - [`LakeConfig`]: the embedded default (SQLite + `./lake`) or an S3 profile, with a
+//!   SQLite or PostgreSQL catalog.
+//! - [`Lake::init`]: creates `signalweave.events`, `signalweave.rejections` and
+//!   `signalweave.late_events`, partitioned by day, idempotently.
+//! - [`Lake::append`]: one fast-append commit per batch, identified by a
+//!   [`CommitIdentity`] in the snapshot summary, so a retried commit is never applied twice.
+//! - [`Lake::plan_time_range`], [`Lake::plan_appended_since`], [`Lake::read`]: range scans
+//!   with partition pruning, the live tail's incremental read, and reading planned files.
+//! - [`Lake::snapshots`], [`Lake::snapshot_as_of`], [`AsOf`]: positions and time travel.
+//! - [`Lake::session_context`]: DataFusion SQL over every table.
+//!
+//! iceberg-rust 0.10 commits appends only; everything here is an append or a read.
+
+mod config;
+mod error;
+mod lake;
+mod layout;
+mod load;
+mod sql;
+
+pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
+pub use error::{LakeError, Result};
+pub use lake::{
+    AppendOutcome, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, IncrementalPlan, Lake, ScanPlan,
+    SnapshotInfo,
+};
+pub use layout::{
+    LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, REJECTIONS_SCHEMA, SUMMARY_BATCH_SEQ,
+    SUMMARY_WRITER_ID,
+};
+pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
+pub use sql::{AsOf, SQL_CATALOG};

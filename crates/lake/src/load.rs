@@ -1,0 +1,480 @@
+//! Bulk loading: NDJSON or Parquet files of wire-form events, through the validator the
+//! gateway uses, into `signalweave.events`, with evidence of every rejection in
+//! `signalweave.rejections`.
+//!
+//! A file is cut into chunks of [`LoadOptions::chunk_records`] records. Chunk `i` commits
+//! its rejections, then its events, each as one append identified by
+//! (`load-<file digest>`, `i`). A load killed at any point leaves whole chunks committed
+//! and nothing partial; running it again skips the committed chunks, so nothing lands
+//! twice. Within a file, a repeated `(tenant, event_id)` is counted as a duplicate and
+//! lands once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::sync::Arc;
+
+use arrow_array::builder::{Int64Builder, StringBuilder, TimestampMicrosecondBuilder};
+use arrow_array::{Array, ArrayRef, RecordBatch};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use signalweave_model::{
+    ErrorKind, EventBatchBuilder, EventValidator, Rejection, format_rfc3339_micros,
+};
+
+use crate::error::{LakeError, Result};
+use crate::lake::{CommitIdentity, Lake};
+use crate::layout::{LakeTable, REJECTIONS_SCHEMA};
+
+/// Options of a load.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Records per chunk (one commit each to events and, if needed, rejections).
+    pub chunk_records: usize,
+    /// The validator's clock and the stamped ingest time (microseconds); None = now.
+    pub now_us: Option<i64>,
+    /// Name recorded as the rejection `source`.
+    pub source_name: String,
+}
+
+impl LoadOptions {
+    /// Default chunk: 100,000 records.
+    pub const DEFAULT_CHUNK_RECORDS: usize = 100_000;
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            chunk_records: Self::DEFAULT_CHUNK_RECORDS,
+            now_us: None,
+            source_name: "load".into(),
+        }
+    }
+}
+
+/// What a load did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct LoadReport {
+    /// Records read from the file.
+    pub records: u64,
+    /// Events landed by this run.
+    pub accepted: u64,
+    /// Repeats of an earlier `(tenant, event_id)` in the file; not landed again.
+    pub duplicates: u64,
+    /// Records rejected, with evidence in `signalweave.rejections`.
+    pub rejected: u64,
+    /// Rejections by reason code.
+    pub rejected_by_reason: BTreeMap<String, u64>,
+    /// Chunks committed by this run.
+    pub chunks_committed: u64,
+    /// Chunks found already committed by an earlier run and skipped.
+    pub chunks_skipped: u64,
+    /// Events in skipped chunks (landed by the earlier run).
+    pub accepted_earlier: u64,
+    /// The file digest that names the load's writer id.
+    pub file_digest: String,
+}
+
+/// File formats `load` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// One JSON event per line.
+    Ndjson,
+    /// Parquet with wire-form columns (see [`Lake::load_file`]).
+    Parquet,
+}
+
+impl LoadFormat {
+    /// The format implied by a file name (`.parquet` or anything else as NDJSON).
+    pub fn from_path(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("parquet") | Some("pq") => LoadFormat::Parquet,
+            _ => LoadFormat::Ndjson,
+        }
+    }
+}
+
+fn io_err(path: &Path, e: std::io::Error) -> LakeError {
+    LakeError::new(
+        ErrorKind::InvalidInput,
+        format!("cannot read {}: {e}", path.display()),
+    )
+}
+
+fn file_digest(path: &Path) -> Result<String> {
+    let mut file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| io_err(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(&hasher.finalize()[..12]))
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+/// Rejections of one chunk, columnar.
+struct RejectionBatch {
+    received_at: TimestampMicrosecondBuilder,
+    source: StringBuilder,
+    tenant: StringBuilder,
+    producer_id: StringBuilder,
+    event_id: StringBuilder,
+    event_type: StringBuilder,
+    reason_code: StringBuilder,
+    detail: StringBuilder,
+    record_digest: StringBuilder,
+    record_bytes: Int64Builder,
+    record_position: Int64Builder,
+    rows: usize,
+}
+
+impl RejectionBatch {
+    fn new() -> Self {
+        Self {
+            received_at: TimestampMicrosecondBuilder::new().with_timezone("+00:00"),
+            source: StringBuilder::new(),
+            tenant: StringBuilder::new(),
+            producer_id: StringBuilder::new(),
+            event_id: StringBuilder::new(),
+            event_type: StringBuilder::new(),
+            reason_code: StringBuilder::new(),
+            detail: StringBuilder::new(),
+            record_digest: StringBuilder::new(),
+            record_bytes: Int64Builder::new(),
+            record_position: Int64Builder::new(),
+            rows: 0,
+        }
+    }
+
+    fn push(&mut self, at_us: i64, source: &str, raw: &[u8], position: u64, rejection: &Rejection) {
+        // Identify the record as far as it can be parsed, without keeping its values.
+        let parsed: Option<Map<String, Value>> = serde_json::from_slice(raw).ok();
+        let field = |name: &str| {
+            parsed
+                .as_ref()
+                .and_then(|o| o.get(name))
+                .and_then(Value::as_str)
+                .map(|s| s.chars().take(128).collect::<String>())
+        };
+        self.received_at.append_value(at_us);
+        self.source.append_value(source);
+        self.tenant.append_option(field("tenant"));
+        self.producer_id.append_option(field("producer_id"));
+        self.event_id.append_option(field("event_id"));
+        self.event_type.append_option(field("event_type"));
+        self.reason_code.append_value(rejection.reason.as_str());
+        self.detail.append_value(&rejection.detail);
+        self.record_digest
+            .append_value(hex::encode(Sha256::digest(raw)));
+        self.record_bytes.append_value(raw.len() as i64);
+        self.record_position.append_value(position as i64);
+        self.rows += 1;
+    }
+
+    fn finish(&mut self) -> Result<RecordBatch> {
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(self.received_at.finish()),
+            Arc::new(self.source.finish()),
+            Arc::new(self.tenant.finish()),
+            Arc::new(self.producer_id.finish()),
+            Arc::new(self.event_id.finish()),
+            Arc::new(self.event_type.finish()),
+            Arc::new(self.reason_code.finish()),
+            Arc::new(self.detail.finish()),
+            Arc::new(self.record_digest.finish()),
+            Arc::new(self.record_bytes.finish()),
+            Arc::new(self.record_position.finish()),
+        ];
+        self.rows = 0;
+        RecordBatch::try_new(Arc::clone(&REJECTIONS_SCHEMA), columns)
+            .map_err(|e| LakeError::arrow("rejection batch", e))
+    }
+}
+
+/// Builds a batch of rejection evidence: for the gateway and for `load`.
+pub fn rejection_batch(
+    at_us: i64,
+    source: &str,
+    rejected: &[(&[u8], u64, Rejection)],
+) -> Result<RecordBatch> {
+    let mut b = RejectionBatch::new();
+    for (raw, pos, r) in rejected {
+        b.push(at_us, source, raw, *pos, r);
+    }
+    b.finish()
+}
+
+struct ChunkState<'a> {
+    lake: &'a Lake,
+    validator: &'a EventValidator,
+    options: &'a LoadOptions,
+    writer: String,
+    seen: HashSet<(String, String)>,
+    report: LoadReport,
+    chunk: u64,
+    events: EventBatchBuilder,
+    rejections: RejectionBatch,
+    in_chunk: usize,
+    chunk_dups: u64,
+    chunk_rejected: BTreeMap<String, u64>,
+}
+
+impl ChunkState<'_> {
+    fn record(&mut self, raw: &[u8], position: u64) {
+        let now = self.options.now_us.unwrap_or_else(now_us);
+        self.report.records += 1;
+        self.in_chunk += 1;
+        match self.validator.validate_bytes(raw, now, now) {
+            Ok(event) => {
+                let key = (
+                    event.tenant.as_str().to_owned(),
+                    event.event_id.as_str().to_owned(),
+                );
+                if self.seen.insert(key) {
+                    self.events.push(&event);
+                } else {
+                    self.chunk_dups += 1;
+                }
+            }
+            Err(rejection) => {
+                *self
+                    .chunk_rejected
+                    .entry(rejection.reason.as_str().to_owned())
+                    .or_default() += 1;
+                self.rejections
+                    .push(now, &self.options.source_name, raw, position, &rejection);
+            }
+        }
+    }
+
+    async fn flush(&mut self) -> Result<()> {
+        if self.in_chunk == 0 {
+            return Ok(());
+        }
+        let seq = self.chunk;
+        self.chunk += 1;
+        self.in_chunk = 0;
+        let rejections = self.rejections.rows;
+        let rejected_batch = self.rejections.finish()?;
+        let events_batch = self
+            .events
+            .finish()
+            .map_err(|e| LakeError::new(e.kind(), format!("event batch: {}", e.message())))?;
+        let identity = CommitIdentity::new(self.writer.clone(), seq);
+        let mut skipped = false;
+        if rejections > 0 {
+            let outcome = self
+                .lake
+                .append(LakeTable::Rejections, &[rejected_batch], &identity)
+                .await?;
+            skipped = outcome.already_committed;
+        }
+        let accepted = events_batch.num_rows() as u64;
+        if accepted > 0 {
+            let outcome = self
+                .lake
+                .append(LakeTable::Events, &[events_batch], &identity)
+                .await?;
+            skipped = outcome.already_committed;
+        }
+        let rejected: u64 = self.chunk_rejected.values().sum();
+        self.report.duplicates += std::mem::take(&mut self.chunk_dups);
+        self.report.rejected += rejected;
+        for (k, v) in std::mem::take(&mut self.chunk_rejected) {
+            *self.report.rejected_by_reason.entry(k).or_default() += v;
+        }
+        if skipped {
+            self.report.chunks_skipped += 1;
+            self.report.accepted_earlier += accepted;
+        } else {
+            self.report.chunks_committed += 1;
+            self.report.accepted += accepted;
+        }
+        Ok(())
+    }
+}
+
+impl Lake {
+    /// Loads a file of wire-form events (NDJSON, or Parquet with the wire columns
+    /// `event_id, event_type, schema_version, tenant, producer_id, producer_seq,
+    /// event_time, partition_key, order_id, customer_id, market_id, business_version,
+    /// amount_minor, currency, attributes`). See the module docs for the guarantees.
+    pub async fn load_file(
+        &self,
+        path: &Path,
+        validator: &EventValidator,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        if options.chunk_records == 0 {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "chunk_records must be > 0",
+            ));
+        }
+        let digest = file_digest(path)?;
+        let mut state = ChunkState {
+            lake: self,
+            validator,
+            options,
+            writer: format!("load-{digest}"),
+            seen: HashSet::new(),
+            report: LoadReport {
+                file_digest: digest,
+                ..Default::default()
+            },
+            chunk: 0,
+            events: EventBatchBuilder::with_capacity(options.chunk_records.min(65_536)),
+            rejections: RejectionBatch::new(),
+            in_chunk: 0,
+            chunk_dups: 0,
+            chunk_rejected: BTreeMap::new(),
+        };
+        match LoadFormat::from_path(path) {
+            LoadFormat::Ndjson => {
+                let file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+                let mut reader = BufReader::with_capacity(1 << 20, file);
+                let mut line = Vec::with_capacity(1024);
+                let mut position = 0u64;
+                loop {
+                    line.clear();
+                    let n = reader
+                        .read_until(b'\n', &mut line)
+                        .map_err(|e| io_err(path, e))?;
+                    if n == 0 {
+                        break;
+                    }
+                    position += 1;
+                    let trimmed = trim_ascii(&line);
+                    if trimmed.is_empty() {
+                        continue;
+                    }
+                    state.record(trimmed, position);
+                    if state.in_chunk >= options.chunk_records {
+                        state.flush().await?;
+                    }
+                }
+            }
+            LoadFormat::Parquet => {
+                let file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+                let reader =
+                    parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+                        .and_then(|b| b.with_batch_size(8192).build())
+                        .map_err(|e| {
+                            LakeError::new(
+                                ErrorKind::InvalidInput,
+                                format!("{} is not readable Parquet: {e}", path.display()),
+                            )
+                        })?;
+                let mut position = 0u64;
+                for batch in reader {
+                    let batch = batch.map_err(|e| LakeError::arrow("read parquet", e))?;
+                    for row in wire_rows(&batch)? {
+                        position += 1;
+                        state.record(row.as_bytes(), position);
+                        if state.in_chunk >= options.chunk_records {
+                            state.flush().await?;
+                        }
+                    }
+                }
+            }
+        }
+        state.flush().await?;
+        Ok(state.report)
+    }
+}
+
+fn trim_ascii(mut s: &[u8]) -> &[u8] {
+    while let [first, rest @ ..] = s {
+        if first.is_ascii_whitespace() {
+            s = rest;
+        } else {
+            break;
+        }
+    }
+    while let [rest @ .., last] = s {
+        if last.is_ascii_whitespace() {
+            s = rest;
+        } else {
+            break;
+        }
+    }
+    s
+}
+
+/// Turns a Parquet batch with wire columns into wire JSON texts, one per row, so that
+/// Parquet input goes through exactly the validation NDJSON does.
+fn wire_rows(batch: &RecordBatch) -> Result<Vec<String>> {
+    use arrow::array::AsArray;
+    use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
+    let n = batch.num_rows();
+    let mut rows: Vec<Map<String, Value>> = vec![Map::new(); n];
+    let mut payloads: Vec<Map<String, Value>> = vec![Map::new(); n];
+    for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+        let name = field.name().as_str();
+        let column = arrow::compute::cast(
+            column,
+            match column.data_type() {
+                arrow::datatypes::DataType::Timestamp(_, _) => {
+                    &arrow::datatypes::DataType::Timestamp(
+                        arrow::datatypes::TimeUnit::Microsecond,
+                        None,
+                    )
+                }
+                arrow::datatypes::DataType::Int8
+                | arrow::datatypes::DataType::Int16
+                | arrow::datatypes::DataType::Int32
+                | arrow::datatypes::DataType::Int64 => &arrow::datatypes::DataType::Int64,
+                _ => &arrow::datatypes::DataType::Utf8,
+            },
+        )
+        .map_err(|e| LakeError::arrow(format!("column {name}"), e))?;
+        for (i, (row, payload)) in rows.iter_mut().zip(payloads.iter_mut()).enumerate() {
+            if column.is_null(i) {
+                continue;
+            }
+            let value: Value = match column.data_type() {
+                arrow::datatypes::DataType::Timestamp(_, _) => format_rfc3339_micros(
+                    column.as_primitive::<TimestampMicrosecondType>().value(i),
+                )
+                .into(),
+                arrow::datatypes::DataType::Int64 => {
+                    column.as_primitive::<Int64Type>().value(i).into()
+                }
+                _ => column.as_string::<i32>().value(i).to_owned().into(),
+            };
+            match name {
+                "amount_minor" | "currency" => {
+                    payload.insert(name.to_owned(), value);
+                }
+                "attributes" => {
+                    if let Some(Value::Object(extra)) =
+                        value.as_str().and_then(|s| serde_json::from_str(s).ok())
+                    {
+                        payload.extend(extra);
+                    }
+                }
+                "ingest_time" => {}
+                _ => {
+                    row.insert(name.to_owned(), value);
+                }
+            }
+        }
+    }
+    Ok(rows
+        .into_iter()
+        .zip(payloads)
+        .map(|(mut row, payload)| {
+            row.insert("payload".into(), Value::Object(payload));
+            Value::Object(row).to_string()
+        })
+        .take(n)
+        .collect())
+}
