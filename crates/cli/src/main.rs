@@ -6,6 +6,7 @@
 //! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
 
 mod bench;
+#[macro_use]
 mod output;
 
 use std::path::{Path, PathBuf};
@@ -14,7 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use signalweave_fixtures::{Generator, WorkloadSpec};
+use signalweave_fixtures::{ExpectedFigures, Generator, WorkloadSpec};
 use signalweave_lake::{AsOf, Lake, LakeConfig, LakeError, LakeTable, LoadOptions};
 use signalweave_model::{ErrorKind, EventValidator, SchemaRegistry, ValidationLimits};
 
@@ -125,6 +126,9 @@ enum FixturesCommand {
         /// Distinct events per second of event time.
         #[arg(long, default_value_t = 100)]
         events_per_sec: u64,
+        /// Also write the figures the fixture must produce once loaded (JSON).
+        #[arg(long)]
+        expected: Option<PathBuf>,
     },
 }
 
@@ -162,17 +166,17 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let lake = Lake::open(lake_config(&cli.lake)?).await?;
             let created = lake.init().await?;
             for (table, new) in created {
-                println!(
+                outln!(
                     "signalweave.{:<12} {}",
                     table.name(),
                     if new { "created" } else { "exists" }
-                );
+                )?;
             }
-            println!(
+            outln!(
                 "catalog {} · warehouse {}",
                 lake.config().redacted_catalog_url(),
                 lake.config().warehouse_location()
-            );
+            )?;
         }
         Command::Lake(LakeCommand::Tables { format }) => {
             let lake = open_lake(&cli).await?;
@@ -312,7 +316,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 rows.push(vec![format!("rejected:{reason}"), n.to_string()]);
             }
             if *format == Format::Json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                outln!("{}", serde_json::to_string_pretty(&report)?)?;
             } else {
                 print_rows(*format, &["measure", "value"], rows)?;
             }
@@ -325,6 +329,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             late_fraction,
             invalid_fraction,
             events_per_sec,
+            expected,
         }) => {
             use std::io::Write;
             let spec = WorkloadSpec {
@@ -339,13 +344,17 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let file = std::fs::File::create(out)
                 .with_context(|| format!("creating {}", out.display()))?;
             let mut w = std::io::BufWriter::new(file);
-            let mut n = 0u64;
+            let mut figures = ExpectedFigures::default();
             for record in Generator::new(spec) {
                 writeln!(w, "{}", record.to_json_line())?;
-                n += 1;
+                figures.count(&record);
             }
             w.flush()?;
-            eprintln!("wrote {n} records to {}", out.display());
+            if let Some(path) = expected {
+                std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            eprintln!("wrote {} records to {}", figures.records, out.display());
         }
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;

@@ -1,8 +1,19 @@
 //! Printing data for people (`table`) and for programs (`json`, `csv`).
 
+use std::io::Write;
+
 use anyhow::Result;
 use arrow::array::RecordBatch;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+
+/// Writes a line to stdout, returning an error (rather than panicking) when stdout is closed.
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
 
 /// Output format of a data-printing command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -26,10 +37,10 @@ pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Re
             for r in rows {
                 t.add_row(r);
             }
-            println!("{t}");
+            outln!("{t}")?;
         }
         Format::Csv => {
-            println!("{}", header.join(","));
+            outln!("{}", header.join(","))?;
             for r in rows {
                 let escaped: Vec<String> = r
                     .into_iter()
@@ -41,7 +52,7 @@ pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Re
                         }
                     })
                     .collect();
-                println!("{}", escaped.join(","));
+                outln!("{}", escaped.join(","))?;
             }
         }
         Format::Json => {
@@ -55,7 +66,7 @@ pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Re
                         .collect()
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&out)?);
+            outln!("{}", serde_json::to_string_pretty(&out)?)?;
         }
     }
     Ok(())
@@ -65,7 +76,7 @@ pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Re
 pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
     match format {
         Format::Table => {
-            println!("{}", arrow::util::pretty::pretty_format_batches(batches)?);
+            outln!("{}", arrow::util::pretty::pretty_format_batches(batches)?)?;
         }
         Format::Csv => {
             let mut w = arrow::csv::WriterBuilder::new()
@@ -80,7 +91,7 @@ pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
             let refs: Vec<&RecordBatch> = batches.iter().collect();
             w.write_batches(&refs)?;
             w.finish()?;
-            println!();
+            std::io::stdout().lock().write_all(b"\n")?;
         }
     }
     Ok(())

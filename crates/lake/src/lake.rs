@@ -255,11 +255,13 @@ impl Lake {
             .namespace_exists(&ns)
             .await
             .map_err(|e| LakeError::iceberg("check namespace", e))?;
-        if !exists
-            && let Err(e) = self.catalog.create_namespace(&ns, HashMap::new()).await
-            && e.kind() != iceberg::ErrorKind::NamespaceAlreadyExists
-        {
-            return Err(LakeError::iceberg("create namespace signalweave", e));
+        if !exists && let Err(e) = self.catalog.create_namespace(&ns, HashMap::new()).await {
+            // A concurrent init may have won the race (SQLite reports it as a constraint
+            // violation, not as "already exists"): only a namespace still missing is an error.
+            let now_exists = self.catalog.namespace_exists(&ns).await.unwrap_or(false);
+            if !now_exists {
+                return Err(LakeError::iceberg("create namespace signalweave", e));
+            }
         }
         let mut created = Vec::new();
         for table in LakeTable::ALL {
@@ -283,10 +285,14 @@ impl Lake {
                 .build();
             match self.catalog.create_table(&ns, creation).await {
                 Ok(_) => created.push((table, true)),
-                Err(e) if e.kind() == iceberg::ErrorKind::TableAlreadyExists => {
-                    created.push((table, false))
+                Err(e) => {
+                    // As for the namespace: a concurrent creator may have won.
+                    if self.catalog.table_exists(&ident).await.unwrap_or(false) {
+                        created.push((table, false));
+                    } else {
+                        return Err(LakeError::iceberg(format!("create {ident}"), e));
+                    }
                 }
-                Err(e) => return Err(LakeError::iceberg(format!("create {ident}"), e)),
             }
         }
         let upsert = if self.config.is_sqlite() {

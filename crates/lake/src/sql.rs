@@ -102,6 +102,7 @@ fn empty_view(t: iceberg::table::Table) -> Result<iceberg::table::Table> {
         .identifier(t.identifier().clone())
         .file_io(t.file_io().clone())
         .readonly(true)
+        .runtime(iceberg::Runtime::try_current().map_err(|e| LakeError::iceberg("runtime", e))?)
         .build()
         .map_err(|e| LakeError::iceberg("empty view", e))
 }

@@ -1,0 +1,297 @@
+//! The `signalweave` binary end to end: load a committed fixture and count it with
+//! `sql` (embedded and, where Garage runs, S3), regenerate the golden fixture, bad
+//! input exits, and a `load` killed with SIGKILL mid-way then rerun.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use signalweave_fixtures::ExpectedFigures;
+
+fn sw(lake: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_signalweave"))
+        .arg("--lake")
+        .arg(lake)
+        .arg("--schemas")
+        .arg(support::repo().join("catalog/events"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn sql_i64(lake: &Path, query: &str) -> i64 {
+    let out = ok(sw(lake, &["sql", query, "--format", "json"]));
+    let rows: Vec<serde_json::Map<String, serde_json::Value>> = serde_json::from_str(&out).unwrap();
+    rows[0].values().next().unwrap().as_i64().unwrap()
+}
+
+fn expected() -> ExpectedFigures {
+    serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("fixtures/sample.expected.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+fn load_and_count(lake: &Path) {
+    let sample = support::repo().join("fixtures/sample.ndjson");
+    let report: serde_json::Value = serde_json::from_str(&ok(sw(
+        lake,
+        &["load", sample.to_str().unwrap(), "--format", "json"],
+    )))
+    .unwrap();
+    let e = expected();
+    assert_eq!(report["accepted"], e.events);
+    assert_eq!(report["rejected"], e.invalid);
+    assert_eq!(
+        sql_i64(lake, "select count(*) from signalweave.events") as u64,
+        e.events
+    );
+    assert_eq!(
+        sql_i64(lake, "select sum(amount_minor) from signalweave.events"),
+        e.amount_minor_sum
+    );
+    assert_eq!(
+        sql_i64(lake, "select count(*) from signalweave.rejections") as u64,
+        e.invalid
+    );
+}
+
+#[test]
+fn load_then_sql_counts_the_fixture_embedded() {
+    let dir = tempfile::tempdir().unwrap();
+    load_and_count(&dir.path().join("lake"));
+    let tables = ok(sw(
+        &dir.path().join("lake"),
+        &["lake", "tables", "--format", "csv"],
+    ));
+    assert!(tables.contains("signalweave.events"), "{tables}");
+}
+
+#[test]
+fn load_then_sql_counts_the_fixture_on_s3() {
+    let Some(s3) = support::s3_config(&format!("cli/{}", std::process::id())) else {
+        eprintln!("SW_S3_ENDPOINT not set: S3 profile not exercised here");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile.toml");
+    let config = signalweave_lake::LakeConfig {
+        catalog_name: "signalweave".into(),
+        catalog_url: format!("sqlite://{}", dir.path().join("catalog.db").display()),
+        warehouse: signalweave_lake::Warehouse::S3(s3),
+    };
+    std::fs::write(&profile, toml_profile(&config)).unwrap();
+    load_and_count(&profile);
+}
+
+fn toml_profile(c: &signalweave_lake::LakeConfig) -> String {
+    let signalweave_lake::Warehouse::S3(s3) = &c.warehouse else {
+        unreachable!()
+    };
+    format!(
+        "catalog_url = \"{}\"\n[warehouse]\nkind = \"s3\"\nendpoint = \"{}\"\nregion = \"{}\"\nbucket = \"{}\"\nprefix = \"{}\"\naccess_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
+        c.catalog_url,
+        s3.endpoint.clone().unwrap_or_default(),
+        s3.region,
+        s3.bucket,
+        s3.prefix,
+        s3.access_key_id,
+        s3.secret_access_key
+    )
+}
+
+#[test]
+fn committed_fixture_is_the_generator_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sample.ndjson");
+    let exp = dir.path().join("sample.expected.json");
+    ok(sw(
+        dir.path(),
+        &[
+            "fixtures",
+            "generate",
+            "--out",
+            out.to_str().unwrap(),
+            "--expected",
+            exp.to_str().unwrap(),
+            "--events",
+            "2000",
+            "--seed",
+            "42",
+            "--dup-fraction",
+            "0.02",
+            "--late-fraction",
+            "0.02",
+            "--invalid-fraction",
+            "0.02",
+        ],
+    ));
+    let committed = support::repo().join("fixtures");
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(committed.join("sample.ndjson")).unwrap(),
+        "fixtures/sample.ndjson differs from the generator: regenerate it (see fixtures/README.md)"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&exp).unwrap(),
+        std::fs::read_to_string(committed.join("sample.expected.json")).unwrap()
+    );
+}
+
+#[test]
+fn bad_input_exits_classified() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let missing = sw(&lake, &["load", "/nonexistent/file.ndjson"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+    let bad_sql = sw(&lake, &["sql", "selec nonsense"]);
+    assert_eq!(
+        bad_sql.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&bad_sql.stderr)
+    );
+    let no_table = sw(&lake, &["lake", "snapshots", "orders"]);
+    assert_eq!(no_table.status.code(), Some(2));
+    let bad_profile = dir.path().join("p.toml");
+    std::fs::write(&bad_profile, "catalog_url = 3").unwrap();
+    assert_eq!(sw(&bad_profile, &["lake", "init"]).status.code(), Some(2));
+    let unreachable = dir.path().join("pg.toml");
+    std::fs::write(
+        &unreachable,
+        "catalog_url = \"postgres://nobody@127.0.0.1:1/none\"\n[warehouse]\nkind = \"local\"\npath = \"/tmp/x\"\n",
+    )
+    .unwrap();
+    assert_eq!(sw(&unreachable, &["lake", "init"]).status.code(), Some(3));
+}
+
+/// kill -9 a load mid-way: whole chunks are committed and nothing partial; the rerun
+/// lands the rest and nothing twice.
+#[test]
+fn load_killed_mid_way_resumes_without_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let file = dir.path().join("big.ndjson");
+    let exp = dir.path().join("big.expected.json");
+    ok(sw(
+        dir.path(),
+        &[
+            "fixtures",
+            "generate",
+            "--out",
+            file.to_str().unwrap(),
+            "--expected",
+            exp.to_str().unwrap(),
+            "--events",
+            "60000",
+            "--seed",
+            "9",
+            "--invalid-fraction",
+            "0.01",
+        ],
+    ));
+    let e: ExpectedFigures = serde_json::from_str(&std::fs::read_to_string(&exp).unwrap()).unwrap();
+    ok(sw(&lake, &["lake", "init"]));
+    let snapshots_file = lake.join("warehouse/signalweave/events/metadata");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_signalweave"))
+        .arg("--lake")
+        .arg(&lake)
+        .arg("--schemas")
+        .arg(support::repo().join("catalog/events"))
+        .args(["load", file.to_str().unwrap(), "--chunk-records", "2000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until a few chunks have committed (metadata files appear per commit), then SIGKILL.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let commits = std::fs::read_dir(&snapshots_file)
+            .map(|d| {
+                d.filter(|f| {
+                    f.as_ref()
+                        .is_ok_and(|f| f.file_name().to_string_lossy().ends_with(".metadata.json"))
+                })
+                .count()
+            })
+            .unwrap_or(0);
+        if commits >= 4 {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "load finished before it could be killed"
+        );
+        assert!(Instant::now() < deadline, "load made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let landed = sql_i64(&lake, "select count(*) from signalweave.events");
+    assert!(
+        landed > 0 && (landed as u64) < e.events,
+        "killed mid-way: {landed} of {}",
+        e.events
+    );
+    assert_eq!(
+        sql_i64(
+            &lake,
+            "select count(distinct event_id) from signalweave.events"
+        ),
+        landed
+    );
+    // Whole chunks only: every landed snapshot holds one chunk's accepted events.
+    let snaps: Vec<serde_json::Value> = serde_json::from_str(&ok(sw(
+        &lake,
+        &["lake", "snapshots", "events", "--format", "json"],
+    )))
+    .unwrap();
+    let total: i64 = snaps
+        .iter()
+        .map(|s| s["added_records"].as_str().unwrap().parse::<i64>().unwrap())
+        .sum();
+    assert_eq!(total, landed);
+    let report: serde_json::Value = serde_json::from_str(&ok(sw(
+        &lake,
+        &[
+            "load",
+            file.to_str().unwrap(),
+            "--chunk-records",
+            "2000",
+            "--format",
+            "json",
+        ],
+    )))
+    .unwrap();
+    assert!(report["chunks_skipped"].as_u64().unwrap() >= 1);
+    assert_eq!(
+        sql_i64(&lake, "select count(*) from signalweave.events") as u64,
+        e.events
+    );
+    assert_eq!(
+        sql_i64(
+            &lake,
+            "select count(distinct event_id) from signalweave.events"
+        ) as u64,
+        e.events
+    );
+    assert_eq!(
+        sql_i64(&lake, "select count(*) from signalweave.rejections") as u64,
+        e.invalid
+    );
+}

@@ -1,0 +1,430 @@
+//! The lake's table suite, run against every backend (see `support`): idempotent
+//! init, idempotent appends, concurrent writers, range scans with partition pruning,
+//! the incremental tail, snapshots and time travel, SQL, and `load`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use arrow::array::{AsArray, RecordBatch};
+use arrow::datatypes::Int64Type;
+use futures::future::join_all;
+use signalweave_fixtures::{Generator, Record, WorkloadSpec};
+use signalweave_lake::{AsOf, CommitIdentity, Lake, LakeTable, LoadOptions};
+use signalweave_model::{
+    Event, EventBatchBuilder, EventValidator, SchemaRegistry, ValidationLimits,
+};
+
+const DAY_US: i64 = 86_400_000_000;
+
+fn events(spec: WorkloadSpec) -> Vec<Event> {
+    Generator::new(spec)
+        .filter_map(|r| match r {
+            Record::Event(mut e) => {
+                e.ingest_time_us = e.event_time_us + 500_000;
+                Some(e)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn batch(events: &[Event]) -> RecordBatch {
+    let mut b = EventBatchBuilder::with_capacity(events.len());
+    for e in events {
+        b.push(e);
+    }
+    b.finish().unwrap()
+}
+
+/// Three days of events, 600 per day.
+fn three_days() -> Vec<Event> {
+    events(WorkloadSpec {
+        events: 1_800,
+        events_per_sec: 1,
+        ..Default::default()
+    })
+    .into_iter()
+    .enumerate()
+    .map(|(i, mut e)| {
+        e.event_time_us = signalweave_fixtures::DEFAULT_START_US
+            + (i as i64 / 600) * DAY_US
+            + (i as i64 % 600) * 1_000_000;
+        e
+    })
+    .collect()
+}
+
+async fn count(lake: &Lake, sql: &str) -> i64 {
+    let ctx = lake.session_context().await.unwrap();
+    let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
+    batches[0].column(0).as_primitive::<Int64Type>().value(0)
+}
+
+fn rows(batches: &[RecordBatch]) -> usize {
+    batches.iter().map(RecordBatch::num_rows).sum()
+}
+
+async fn open(b: &support::Backend) -> Lake {
+    let lake = Lake::open(b.config.clone()).await.unwrap();
+    lake.init().await.unwrap();
+    lake
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_is_idempotent_and_safe_concurrently() {
+    for b in support::backends() {
+        let lake = Lake::open(b.config.clone()).await.unwrap();
+        let results = join_all((0..3).map(|_| lake.init())).await;
+        let mut created = 0;
+        for r in results {
+            created += r.unwrap().into_iter().filter(|(_, new)| *new).count();
+        }
+        assert_eq!(created, 3, "{}: each table created exactly once", b.name);
+        let again = lake.init().await.unwrap();
+        assert!(again.iter().all(|(_, new)| !new), "{}", b.name);
+        // A second process opening the same lake sees the same tables.
+        let other = Lake::open(b.config.clone()).await.unwrap();
+        for t in LakeTable::ALL {
+            other.table(t).await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_is_idempotent_under_retry() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let data = batch(&evs[..500]);
+        let id = CommitIdentity::new("writer-a", 7);
+        let first = lake
+            .append(LakeTable::Events, std::slice::from_ref(&data), &id)
+            .await
+            .unwrap();
+        assert!(!first.already_committed);
+        assert_eq!(first.rows, 500);
+        let retry = lake
+            .append(LakeTable::Events, std::slice::from_ref(&data), &id)
+            .await
+            .unwrap();
+        assert!(retry.already_committed, "{}: retry recognised", b.name);
+        assert_eq!(retry.snapshot_id, first.snapshot_id);
+        // Same writer, next sequence: a new commit.
+        let next = lake
+            .append(
+                LakeTable::Events,
+                &[data],
+                &CommitIdentity::new("writer-a", 8),
+            )
+            .await
+            .unwrap();
+        assert!(!next.already_committed);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            1000,
+            "{}",
+            b.name
+        );
+        let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+        assert_eq!(snaps.len(), 2);
+        assert_eq!(snaps[0].writer_id.as_deref(), Some("writer-a"));
+        assert_eq!(snaps[0].batch_seq, Some(7));
+        // A batch of another table's shape is refused, classified, and nothing lands.
+        let wrong = signalweave_lake::rejection_batch(
+            0,
+            "test",
+            &[(
+                &b"{}"[..],
+                1,
+                signalweave_model::Rejection::new(signalweave_model::ReasonCode::MissingField, "x"),
+            )],
+        )
+        .unwrap();
+        let err = lake
+            .append(
+                LakeTable::Events,
+                &[wrong],
+                &CommitIdentity::new("writer-b", 0),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), signalweave_model::ErrorKind::InvalidInput);
+        assert_eq!(lake.snapshots(LakeTable::Events).await.unwrap().len(), 2);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_never_lose_appends() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let writers = 3;
+        let commits = 4;
+        let chunk = 50;
+        let tasks = (0..writers).map(|w| {
+            let lake = lake.clone();
+            let evs = evs.clone();
+            tokio::spawn(async move {
+                for c in 0..commits {
+                    let start = (w * commits + c) * chunk;
+                    let data = batch(&evs[start..start + chunk]);
+                    lake.append(
+                        LakeTable::Events,
+                        &[data],
+                        &CommitIdentity::new(format!("w{w}"), c as u64),
+                    )
+                    .await
+                    .unwrap();
+                }
+            })
+        });
+        for t in join_all(tasks).await {
+            t.unwrap();
+        }
+        let expected = (writers * commits * chunk) as i64;
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            expected,
+            "{}",
+            b.name
+        );
+        assert_eq!(
+            count(
+                &lake,
+                "select count(distinct event_id) from signalweave.events"
+            )
+            .await,
+            expected,
+            "{}",
+            b.name
+        );
+        assert_eq!(
+            lake.snapshots(LakeTable::Events).await.unwrap().len(),
+            writers * commits
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn range_scan_prunes_day_partitions() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        // One commit per day, so each day is its own file.
+        for (i, day) in evs.chunks(600).enumerate() {
+            lake.append(
+                LakeTable::Events,
+                &[batch(day)],
+                &CommitIdentity::new("days", i as u64),
+            )
+            .await
+            .unwrap();
+        }
+        let start = signalweave_fixtures::DEFAULT_START_US;
+        // The middle day, and half of it.
+        let plan = lake
+            .plan_time_range(LakeTable::Events, start + DAY_US, start + 2 * DAY_US, None)
+            .await
+            .unwrap();
+        assert_eq!(plan.total_files, 3, "{}", b.name);
+        assert_eq!(plan.tasks.len(), 1, "{}: the other days are pruned", b.name);
+        let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
+        assert_eq!(rows(&read), 600);
+        let plan = lake
+            .plan_time_range(
+                LakeTable::Events,
+                start + DAY_US,
+                start + DAY_US + 300_000_000,
+                None,
+            )
+            .await
+            .unwrap();
+        let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
+        assert_eq!(
+            rows(&read),
+            300,
+            "{}: rows outside the range are filtered",
+            b.name
+        );
+        for batch in &read {
+            let t = batch
+                .column_by_name("event_time")
+                .unwrap()
+                .as_primitive::<arrow::datatypes::TimestampMicrosecondType>();
+            assert!(
+                t.values()
+                    .iter()
+                    .all(|v| *v >= start + DAY_US && *v < start + DAY_US + 300_000_000)
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_scan_reads_each_append_once() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let empty = lake
+            .plan_appended_since(LakeTable::Events, None)
+            .await
+            .unwrap();
+        assert!(empty.tasks.is_empty() && empty.upto.is_none());
+        let mut position = None;
+        let mut seen = 0;
+        for round in 0..3 {
+            for k in 0..2 {
+                let i = round * 2 + k;
+                lake.append(
+                    LakeTable::Events,
+                    &[batch(&evs[i * 100..(i + 1) * 100])],
+                    &CommitIdentity::new("tail", i as u64),
+                )
+                .await
+                .unwrap();
+            }
+            let plan = lake
+                .plan_appended_since(LakeTable::Events, position)
+                .await
+                .unwrap();
+            assert_eq!(plan.snapshots.len(), 2, "{}", b.name);
+            let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
+            assert_eq!(rows(&read), 200, "{}: round {round}", b.name);
+            seen += rows(&read);
+            position = plan.upto;
+        }
+        assert_eq!(seen, 600);
+        let caught_up = lake
+            .plan_appended_since(LakeTable::Events, position)
+            .await
+            .unwrap();
+        assert!(caught_up.tasks.is_empty());
+        assert_eq!(caught_up.upto, position);
+        let gone = lake
+            .plan_appended_since(LakeTable::Events, Some(42))
+            .await
+            .unwrap_err();
+        assert_eq!(gone.kind(), signalweave_model::ErrorKind::NotFound);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_time_travel() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let first = lake
+            .append(
+                LakeTable::Events,
+                &[batch(&evs[..100])],
+                &CommitIdentity::new("tt", 0),
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let between = chrono::Utc::now().timestamp_millis();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        lake.append(
+            LakeTable::Events,
+            &[batch(&evs[100..300])],
+            &CommitIdentity::new("tt", 1),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            lake.snapshot_as_of(LakeTable::Events, between)
+                .await
+                .unwrap(),
+            Some(first.snapshot_id)
+        );
+        for as_of in [AsOf::Timestamp(between), AsOf::Snapshot(first.snapshot_id)] {
+            let ctx = lake.session_context_as_of(as_of).await.unwrap();
+            let out = ctx
+                .sql("select count(*) from signalweave.events")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            assert_eq!(
+                out[0].column(0).as_primitive::<Int64Type>().value(0),
+                100,
+                "{}: {as_of:?}",
+                b.name
+            );
+        }
+        // Before anything was committed the table reads as empty.
+        let ctx = lake
+            .session_context_as_of(AsOf::Timestamp(0))
+            .await
+            .unwrap();
+        let out = ctx
+            .sql("select count(*) from signalweave.events")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(out[0].column(0).as_primitive::<Int64Type>().value(0), 0);
+        assert!(lake.session_context_as_of(AsOf::Snapshot(1)).await.is_err());
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            300
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_lands_valid_records_and_evidences_rejections() {
+    let registry = SchemaRegistry::load_dir(support::repo().join("catalog/events")).unwrap();
+    let validator = EventValidator::new(Arc::new(registry), ValidationLimits::default());
+    let sample = support::repo().join("fixtures/sample.ndjson");
+    let expected: signalweave_fixtures::ExpectedFigures = serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("fixtures/sample.expected.json")).unwrap(),
+    )
+    .unwrap();
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let options = LoadOptions {
+            chunk_records: 500,
+            now_us: Some(signalweave_fixtures::DEFAULT_START_US + DAY_US),
+            source_name: "test".into(),
+        };
+        let report = lake.load_file(&sample, &validator, &options).await.unwrap();
+        assert_eq!(report.records, expected.records);
+        assert_eq!(report.accepted, expected.events, "{}", b.name);
+        assert_eq!(report.duplicates, expected.duplicates);
+        assert_eq!(report.rejected, expected.invalid);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await as u64,
+            expected.events
+        );
+        assert_eq!(
+            count(&lake, "select sum(amount_minor) from signalweave.events").await,
+            expected.amount_minor_sum
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.rejections").await as u64,
+            expected.invalid
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.rejections where reason_code = '' or record_digest = ''").await,
+            0
+        );
+        // Running the same load again lands nothing twice.
+        let again = lake.load_file(&sample, &validator, &options).await.unwrap();
+        assert_eq!(again.accepted, 0);
+        assert_eq!(again.accepted_earlier, expected.events);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await as u64,
+            expected.events
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.rejections").await as u64,
+            expected.invalid
+        );
+    }
+}

@@ -1,0 +1,109 @@
+//! Shared test support: the backends every lake test runs against.
+//!
+//! - `embedded`: SQLite catalog + local warehouse in a temporary directory (always);
+//! - `garage-sqlite`: SQLite catalog + Garage S3 warehouse, when `SW_S3_ENDPOINT` is set
+//!   (`eval "$(minio/garage-up.sh)"`);
+//! - `garage-postgres`: PostgreSQL catalog + Garage, when `SW_PG_URL` is set as well
+//!   (`eval "$(minio/postgres-up.sh)"`).
+//!
+//! With `SW_REQUIRE_SERVICES=1` (as `.ci/run` sets) a missing service fails the test
+//! instead of narrowing the backend list, so CI can never pass by skipping.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use signalweave_lake::{LakeConfig, S3Config, Warehouse};
+
+/// One backend under test. Keeps its temporary directory alive.
+pub struct Backend {
+    pub name: &'static str,
+    pub config: LakeConfig,
+    pub dir: tempfile::TempDir,
+}
+
+fn unique() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    )
+}
+
+pub fn required() -> bool {
+    std::env::var("SW_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
+}
+
+pub fn env(name: &str) -> Option<String> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                !required(),
+                "{name} is not set but SW_REQUIRE_SERVICES=1: start the services with minio/garage-up.sh and minio/postgres-up.sh"
+            );
+            None
+        }
+    }
+}
+
+pub fn s3_config(prefix: &str) -> Option<S3Config> {
+    Some(S3Config {
+        endpoint: Some(env("SW_S3_ENDPOINT")?),
+        region: env("SW_S3_REGION").unwrap_or_else(|| "garage".into()),
+        bucket: env("SW_S3_BUCKET")?,
+        prefix: prefix.to_string(),
+        access_key_id: env("SW_S3_ACCESS_KEY_ID")?,
+        secret_access_key: env("SW_S3_SECRET_ACCESS_KEY")?,
+        path_style: true,
+    })
+}
+
+pub fn embedded() -> Backend {
+    let dir = tempfile::tempdir().unwrap();
+    let config = LakeConfig::embedded(dir.path().join("lake"));
+    Backend {
+        name: "embedded",
+        config,
+        dir,
+    }
+}
+
+/// Every backend available here, each fresh and isolated from other tests.
+pub fn backends() -> Vec<Backend> {
+    let mut out = vec![embedded()];
+    let id = unique();
+    if let Some(s3) = s3_config(&format!("tests/{id}/sqlite")) {
+        let dir = tempfile::tempdir().unwrap();
+        out.push(Backend {
+            name: "garage-sqlite",
+            config: LakeConfig {
+                catalog_name: "signalweave".into(),
+                catalog_url: format!("sqlite://{}", dir.path().join("catalog.db").display()),
+                warehouse: Warehouse::S3(s3),
+            },
+            dir,
+        });
+        if let (Some(pg), Some(s3)) = (env("SW_PG_URL"), s3_config(&format!("tests/{id}/pg"))) {
+            out.push(Backend {
+                name: "garage-postgres",
+                config: LakeConfig {
+                    // A catalog name of its own isolates this test's tables in the shared database.
+                    catalog_name: format!("t{}", id.replace('-', "_")),
+                    catalog_url: pg,
+                    warehouse: Warehouse::S3(s3),
+                },
+                dir: tempfile::tempdir().unwrap(),
+            });
+        }
+    }
+    out
+}
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
