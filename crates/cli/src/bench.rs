@@ -30,6 +30,9 @@ pub enum BenchCommand {
         /// Rows per commit.
         #[arg(long, default_value_t = 100)]
         rows: usize,
+        /// Expire snapshots (keeping the table's minimum) every N commits; 0 = never.
+        #[arg(long, default_value_t = 0)]
+        expire_every: u64,
     },
     /// Range scan + GROUP BY through `signalweave sql` vs DataFusion on the same Parquet files.
     Scan {
@@ -119,7 +122,11 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 bytes as f64 / secs / 1048576.0
             );
         }
-        BenchCommand::Commits { commits, rows } => {
+        BenchCommand::Commits {
+            commits,
+            rows,
+            expire_every,
+        } => {
             let spec = WorkloadSpec {
                 events: commits * (*rows as u64),
                 events_per_sec: 1_000,
@@ -138,6 +145,9 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 )
                 .await?;
                 lat.push(start.elapsed().as_secs_f64() * 1000.0);
+                if *expire_every > 0 && (i as u64 + 1).is_multiple_of(*expire_every) {
+                    lake.expire_snapshots(LakeTable::Events, None).await?;
+                }
             }
             for at in [1usize, 100, 1_000, 10_000, 86_400] {
                 if at > lat.len() {

@@ -91,6 +91,15 @@ enum LakeCommand {
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
     },
+    /// Expire snapshots by each table's retention rule (metadata only; see README).
+    Expire {
+        /// One table (default: all).
+        #[arg(long)]
+        table: Option<String>,
+        /// Keep at least this many snapshots, overriding the table property.
+        #[arg(long)]
+        retain_last: Option<usize>,
+    },
     /// List the snapshots of a table.
     Snapshots {
         /// `events`, `rejections` or `late_events`.
@@ -215,6 +224,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 ],
                 rows,
             )?;
+        }
+        Command::Lake(LakeCommand::Expire { table, retain_last }) => {
+            let lake = open_lake(&cli).await?;
+            let tables = match table {
+                Some(t) => vec![LakeTable::from_name(t)?],
+                None => LakeTable::ALL.to_vec(),
+            };
+            for t in tables {
+                let outcome = lake.expire_snapshots(t, *retain_last).await?;
+                outln!(
+                    "signalweave.{:<12} snapshots {} -> {}",
+                    t.name(),
+                    outcome.snapshots_before,
+                    outcome.snapshots_after
+                )?;
+            }
         }
         Command::Lake(LakeCommand::Snapshots { table, format }) => {
             let lake = open_lake(&cli).await?;

@@ -76,6 +76,15 @@ pub struct AppendOutcome {
     pub already_committed: bool,
 }
 
+/// What an expiry did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ExpireOutcome {
+    /// Snapshots before.
+    pub snapshots_before: usize,
+    /// Snapshots retained.
+    pub snapshots_after: usize,
+}
+
 /// One snapshot of a table, as `lake snapshots` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SnapshotInfo {
@@ -512,6 +521,39 @@ impl Lake {
             .close()
             .await
             .map_err(|e| LakeError::iceberg("close data files", e))
+    }
+
+    /// Expires snapshots of `table` by its retention rule (table properties
+    /// `history.expire.max-snapshot-age-ms` and `history.expire.min-snapshots-to-keep`;
+    /// `retain_last` overrides the latter). The current snapshot is always kept.
+    ///
+    /// This removes snapshots from the table metadata only; deleting the files they alone
+    /// referenced is the orphan-file sweep's job (lake maintenance). A retried append is
+    /// recognised only while its snapshot is retained, so the retention rule is also the
+    /// horizon of commit idempotency.
+    pub async fn expire_snapshots(
+        &self,
+        table: LakeTable,
+        retain_last: Option<usize>,
+    ) -> Result<ExpireOutcome> {
+        let current = self.table(table).await?;
+        let before = current.metadata().snapshots().len();
+        let mut action = Transaction::new(&current).expire_snapshots();
+        if let Some(n) = retain_last {
+            action = action.retain_last(n.max(1));
+        }
+        let tx = action
+            .apply(Transaction::new(&current))
+            .map_err(|e| LakeError::iceberg("plan expiry", e))?;
+        let after_table = tx
+            .commit(self.catalog.as_ref())
+            .await
+            .map_err(|e| LakeError::iceberg(format!("expire snapshots of {}", table.name()), e))?;
+        let after = after_table.metadata().snapshots().len();
+        Ok(ExpireOutcome {
+            snapshots_before: before,
+            snapshots_after: after,
+        })
     }
 
     /// The snapshots of `table`, oldest first.
