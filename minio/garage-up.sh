@@ -28,6 +28,9 @@ RPC_SECRET=3e1d5a8c9b0f2e4d6c8a1b3e5f7d9c2b4a6e8f0d1c3b5a7e9f2d4c6b8a0e1f35
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 
+if ! command -v curl >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl) >&2
+fi
 if ! command -v garage >/dev/null 2>&1; then
   echo "garage not found: installing garage $GARAGE_VERSION with cargo (a few minutes)" >&2
   cargo install garage --locked --version "$GARAGE_VERSION" >&2
@@ -57,7 +60,7 @@ running() {
 
 answering() {
   # Any HTTP status (403 for an anonymous request) means the S3 API is up.
-  curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/" 2>/dev/null | grep -q '^[1-5]'
+  curl -s --max-time 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/" 2>/dev/null | grep -q '^[1-5]'
 }
 
 if ! running; then
@@ -84,10 +87,15 @@ if ! answering; then
   exit 1
 fi
 # The default bucket and key are created just after the API starts: wait for them.
-for _ in $(seq 1 100); do
-  if garage -c "$DIR/garage.toml" bucket info "$BUCKET" >/dev/null 2>&1; then break; fi
+bucket_ready=no
+for _ in $(seq 1 150); do
+  if garage -c "$DIR/garage.toml" bucket info "$BUCKET" >/dev/null 2>&1; then bucket_ready=yes; break; fi
   sleep 0.2
 done
+if [ "$bucket_ready" != yes ]; then
+  echo "garage is up but bucket $BUCKET did not appear within 30 s; see $DIR/garage.log" >&2
+  exit 1
+fi
 
 cat > "$DIR/profile.toml" <<TOML
 # SignalWeave lake profile: SQLite catalog + Garage S3 warehouse (written by minio/garage-up.sh).

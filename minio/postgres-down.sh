@@ -2,7 +2,7 @@
 # Stop the PostgreSQL started by minio/postgres-up.sh. With --purge, delete its data.
 set -euo pipefail
 DIR=${SW_PG_DIR:-/tmp/signalweave-pg}
-BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+BIN=$(ls /usr/lib/postgresql/*/bin/initdb 2>/dev/null | sort -V | tail -n 1 | xargs -r dirname)
 as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }

@@ -12,7 +12,7 @@ DIR=${SW_PG_DIR:-/tmp/signalweave-pg}
 PORT=${SW_PG_PORT:-5433}
 
 bindir() {
-  ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1
+  ls /usr/lib/postgresql/*/bin/initdb 2>/dev/null | sort -V | tail -n 1 | xargs -r dirname
 }
 if [ -z "$(bindir)" ]; then
   echo "PostgreSQL not found: installing Debian's postgresql package" >&2

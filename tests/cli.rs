@@ -255,17 +255,33 @@ fn load_killed_mid_way_resumes_without_duplicates() {
         ),
         landed
     );
-    // Whole chunks only: every landed snapshot holds one chunk's accepted events.
+    // Whole chunks only: the landed snapshots are this load's chunks 0..n, each once.
     let snaps: Vec<serde_json::Value> = serde_json::from_str(&ok(sw(
         &lake,
         &["lake", "snapshots", "events", "--format", "json"],
     )))
     .unwrap();
-    let total: i64 = snaps
+    let seqs: Vec<u64> = snaps
         .iter()
-        .map(|s| s["added_records"].as_str().unwrap().parse::<i64>().unwrap())
-        .sum();
-    assert_eq!(total, landed);
+        .map(|s| s["batch_seq"].as_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (0..seqs.len() as u64).collect::<Vec<_>>(),
+        "contiguous chunks from 0"
+    );
+    let writer = snaps[0]["writer"].as_str().unwrap().to_string();
+    assert!(
+        writer.starts_with("load-") && writer.contains("-r2000-"),
+        "{writer}"
+    );
+    assert!(snaps.iter().all(|s| s["writer"] == writer.as_str()));
+    // A chunk of 2,000 records lands at most 2,000 events.
+    assert!(
+        snaps
+            .iter()
+            .all(|s| s["added_records"].as_str().unwrap().parse::<u64>().unwrap() <= 2000)
+    );
     let report: serde_json::Value = serde_json::from_str(&ok(sw(
         &lake,
         &[
@@ -279,6 +295,13 @@ fn load_killed_mid_way_resumes_without_duplicates() {
     )))
     .unwrap();
     assert!(report["chunks_skipped"].as_u64().unwrap() >= 1);
+    // The same file with another chunk size would cut other chunks: refused, nothing lands.
+    let other = sw(
+        &lake,
+        &["load", file.to_str().unwrap(), "--chunk-records", "3000"],
+    );
+    assert_eq!(other.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("--chunk-records"));
     assert_eq!(
         sql_i64(&lake, "select count(*) from signalweave.events") as u64,
         e.events

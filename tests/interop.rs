@@ -89,6 +89,13 @@ fn pyiceberg(config: &LakeConfig) -> serde_json::Value {
 async fn check(config: &LakeConfig) {
     let lake = load_sample(config).await;
     let (rows, sum, rejections) = sql_figures(&lake).await;
+    let expected: signalweave_fixtures::ExpectedFigures = serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("fixtures/sample.expected.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(rows as u64, expected.events);
+    assert_eq!(sum, expected.amount_minor_sum);
+    assert_eq!(rejections as u64, expected.invalid);
     let py = pyiceberg(config);
     assert_eq!(
         py["events"], rows,

@@ -208,6 +208,50 @@ async fn concurrent_writers_never_lose_appends() {
     }
 }
 
+/// Two writers racing with the same identity (a rerun while the first run still commits):
+/// exactly one lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_identity_racing_lands_once() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        for round in 0..4u64 {
+            let data = batch(&evs[round as usize * 100..(round as usize + 1) * 100]);
+            let tasks = (0..3).map(|_| {
+                let lake = lake.clone();
+                let data = data.clone();
+                tokio::spawn(async move {
+                    lake.append(
+                        LakeTable::Events,
+                        &[data],
+                        &CommitIdentity::new("racer", round),
+                    )
+                    .await
+                    .unwrap()
+                })
+            });
+            let outcomes: Vec<_> = join_all(tasks)
+                .await
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect();
+            let fresh = outcomes.iter().filter(|o| !o.already_committed).count();
+            assert_eq!(fresh, 1, "{}: round {round}: {outcomes:?}", b.name);
+            assert!(
+                outcomes
+                    .iter()
+                    .all(|o| o.snapshot_id == outcomes[0].snapshot_id)
+            );
+        }
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            400,
+            "{}",
+            b.name
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn range_scan_prunes_day_partitions() {
     for b in support::backends() {
@@ -392,6 +436,7 @@ async fn load_lands_valid_records_and_evidences_rejections() {
             chunk_records: 500,
             now_us: Some(signalweave_fixtures::DEFAULT_START_US + DAY_US),
             source_name: "test".into(),
+            ..Default::default()
         };
         let report = lake.load_file(&sample, &validator, &options).await.unwrap();
         assert_eq!(report.records, expected.records);

@@ -24,13 +24,16 @@ python3 -m pip install -q --disable-pip-version-check -r tests/interop/requireme
 
 echo "== services"
 export SW_GARAGE_DIR=${SW_GARAGE_DIR:-$PWD/.garage}
-eval "$(minio/garage-up.sh)"
-eval "$(minio/postgres-up.sh)"
 cleanup() {
   minio/garage-down.sh || true
   minio/postgres-down.sh || true
 }
 trap cleanup EXIT
+# Capture first: `eval "$(failing)"` would hide the failure.
+garage_env=$(minio/garage-up.sh)
+eval "$garage_env"
+pg_env=$(minio/postgres-up.sh)
+eval "$pg_env"
 export SW_REQUIRE_SERVICES=1
 
 echo "== tests"

@@ -53,7 +53,7 @@ pub fn env(name: &str) -> Option<String> {
 pub fn s3_config(prefix: &str) -> Option<S3Config> {
     Some(S3Config {
         endpoint: Some(env("SW_S3_ENDPOINT")?),
-        region: env("SW_S3_REGION").unwrap_or_else(|| "garage".into()),
+        region: std::env::var("SW_S3_REGION").unwrap_or_else(|_| "garage".into()),
         bucket: env("SW_S3_BUCKET")?,
         prefix: prefix.to_string(),
         access_key_id: env("SW_S3_ACCESS_KEY_ID")?,

@@ -318,8 +318,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let lake = open_lake(&cli).await?;
             let options = LoadOptions {
                 chunk_records: *chunk_records,
-                now_us: None,
                 source_name: format!("load:{}", file.display()),
+                ..Default::default()
             };
             let report = lake.load_file(file, &validator, &options).await?;
             let mut rows = vec![

@@ -38,7 +38,7 @@ use crate::layout::{LakeTable, NAMESPACE, SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID};
 /// Default target size of a data file written by an append: 128 MiB.
 pub const DEFAULT_TARGET_FILE_SIZE: usize = 128 * 1024 * 1024;
 /// How many times an append retries a transient failure (after iceberg's own conflict retries).
-pub const DEFAULT_APPEND_ATTEMPTS: u32 = 6;
+pub const DEFAULT_APPEND_ATTEMPTS: u32 = 30;
 
 /// Who made a commit: the writer's stable id and its batch sequence number.
 ///
@@ -192,6 +192,9 @@ impl Lake {
                 .await
                 .map_err(|e| LakeError::sql("enable WAL on the SQLite catalog", e))?;
         }
+        // The catalog creates its tables when it loads; concurrent DDL on a fresh
+        // PostgreSQL database can fail, so it runs under an advisory lock.
+        let ddl_lock = ddl_lock(&config, &control).await?;
         let factory: Arc<dyn StorageFactory> = match &config.warehouse {
             Warehouse::Local { .. } => Arc::new(OpenDalStorageFactory::Fs),
             Warehouse::S3(_) => Arc::new(OpenDalStorageFactory::S3 {
@@ -219,6 +222,7 @@ impl Lake {
                     e,
                 )
             })?;
+        drop(ddl_lock);
         Ok(Self {
             config,
             catalog: Arc::new(catalog),
@@ -252,6 +256,7 @@ impl Lake {
     /// Creates the namespace, the built-in tables and the control tables, where missing.
     /// Returns each table with whether this call created it. Safe to run concurrently and repeatedly.
     pub async fn init(&self) -> Result<Vec<(LakeTable, bool)>> {
+        let _ddl = ddl_lock(&self.config, &self.control).await?;
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS sw_meta (meta_key VARCHAR(255) PRIMARY KEY, meta_value VARCHAR(1000) NOT NULL)",
         )
@@ -331,6 +336,42 @@ impl Lake {
         })
     }
 
+    /// A summary property of the first retained snapshot `writer_id` committed to `table`.
+    pub async fn writer_summary(
+        &self,
+        table: LakeTable,
+        writer_id: &str,
+        key: &str,
+    ) -> Result<Option<String>> {
+        let t = self.table(table).await?;
+        Ok(t.metadata()
+            .snapshots()
+            .filter(|s| {
+                s.summary()
+                    .additional_properties
+                    .get(SUMMARY_WRITER_ID)
+                    .map(String::as_str)
+                    == Some(writer_id)
+            })
+            .min_by_key(|s| s.sequence_number())
+            .and_then(|s| s.summary().additional_properties.get(key).cloned()))
+    }
+
+    /// Distinct writer ids of retained snapshots of `table` that start with `prefix`.
+    pub async fn writers_with_prefix(&self, table: LakeTable, prefix: &str) -> Result<Vec<String>> {
+        let t = self.table(table).await?;
+        let mut ids: Vec<String> = t
+            .metadata()
+            .snapshots()
+            .filter_map(|s| s.summary().additional_properties.get(SUMMARY_WRITER_ID))
+            .filter(|w| w.starts_with(prefix))
+            .cloned()
+            .collect();
+        ids.sort();
+        ids.dedup();
+        Ok(ids)
+    }
+
     /// The snapshot of `table` committed with `identity`, if one is retained.
     pub fn find_commit(table: &Table, identity: &CommitIdentity) -> Option<i64> {
         let seq = identity.batch_seq.to_string();
@@ -359,6 +400,18 @@ impl Lake {
         batches: &[RecordBatch],
         identity: &CommitIdentity,
     ) -> Result<AppendOutcome> {
+        self.append_with_summary(table, batches, identity, HashMap::new())
+            .await
+    }
+
+    /// [`Lake::append`], recording `summary` properties in the snapshot summary as well.
+    pub async fn append_with_summary(
+        &self,
+        table: LakeTable,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+        summary: HashMap<String, String>,
+    ) -> Result<AppendOutcome> {
         let expected = table.arrow_schema();
         for b in batches {
             if b.schema().fields() != expected.fields() {
@@ -375,14 +428,19 @@ impl Lake {
         loop {
             attempt += 1;
             let result = self
-                .append_attempt(table, batches, identity, rows, &mut written)
+                .append_attempt(table, batches, identity, rows, &summary, &mut written)
                 .await;
             match result {
                 Ok(outcome) => return Ok(outcome),
                 Err(e) if e.retryable() && attempt < DEFAULT_APPEND_ATTEMPTS => {
-                    tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    if e.kind() != ErrorKind::Conflict {
+                        tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
+                    }
+                    // Jitter spreads writers that conflicted with each other.
+                    let jitter =
+                        Duration::from_micros(u64::from(uuid::Uuid::new_v4().as_fields().1) * 10);
+                    tokio::time::sleep(backoff + jitter).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
                 Err(e) => return Err(e),
             }
@@ -395,6 +453,7 @@ impl Lake {
         batches: &[RecordBatch],
         identity: &CommitIdentity,
         rows: u64,
+        summary: &HashMap<String, String>,
         written: &mut Option<Vec<DataFile>>,
     ) -> Result<AppendOutcome> {
         let current = self.table(table).await?;
@@ -417,15 +476,9 @@ impl Lake {
             None => self.write_data_files(&current, batches, identity).await?,
         };
         let data_files = files.len();
-        let props: HashMap<String, String> = [
-            (SUMMARY_WRITER_ID.to_string(), identity.writer_id.clone()),
-            (
-                SUMMARY_BATCH_SEQ.to_string(),
-                identity.batch_seq.to_string(),
-            ),
-        ]
-        .into_iter()
-        .collect();
+        let mut props = summary.clone();
+        props.insert(SUMMARY_WRITER_ID.to_string(), identity.writer_id.clone());
+        props.insert(SUMMARY_BATCH_SEQ.to_string(), identity.batch_seq.to_string());
         let tx = Transaction::new(&current);
         let action = tx
             .fast_append()
@@ -693,10 +746,23 @@ impl Lake {
             ));
         }
         chain.reverse();
+        let snapshots: Vec<i64> = chain.iter().map(|s| s.snapshot_id()).collect();
+        if after.is_none() {
+            // From the start: every live file of the current snapshot, including those
+            // added by snapshots that have since expired.
+            let plan = self
+                .plan_time_range(table, i64::MIN, i64::MAX, Some(current.snapshot_id()))
+                .await?;
+            return Ok(IncrementalPlan {
+                after,
+                upto: Some(current.snapshot_id()),
+                snapshots,
+                tasks: plan.tasks,
+            });
+        }
         let schema = metadata.current_schema().clone();
         let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
         let mut tasks = Vec::new();
-        let snapshots: Vec<i64> = chain.iter().map(|s| s.snapshot_id()).collect();
         for snapshot in &chain {
             if snapshot.summary().operation == Operation::Replace {
                 continue;
@@ -796,6 +862,27 @@ impl Lake {
             .await?;
         Ok(plan.tasks.into_iter().map(|t| t.data_file_path).collect())
     }
+}
+
+/// A transaction-scoped advisory lock on PostgreSQL, held until the returned transaction
+/// ends (dropping it rolls back, which releases the lock); nothing on SQLite, which
+/// serializes DDL through its file lock.
+async fn ddl_lock(
+    config: &LakeConfig,
+    pool: &AnyPool,
+) -> Result<Option<sqlx::Transaction<'static, sqlx::Any>>> {
+    if config.is_sqlite() {
+        return Ok(None);
+    }
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(|e| LakeError::sql("open a catalog transaction", e))?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7512293)")
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| LakeError::sql("take the DDL lock", e))?;
+    Ok(Some(tx))
 }
 
 fn create_dir(dir: &Path) -> Result<()> {

@@ -118,7 +118,9 @@ impl LakeTable {
                 "history.expire.min-snapshots-to-keep",
                 DEFAULT_MIN_SNAPSHOTS_TO_KEEP.to_string(),
             ),
-            ("commit.retry.num-retries", "8".to_string()),
+            // Conflicts come back to `Lake::append`, which re-checks the commit identity
+            // before retrying; iceberg's own retry would re-apply blindly.
+            ("commit.retry.num-retries", "0".to_string()),
             (PROP_LAYOUT_VERSION, "1".to_string()),
         ]
         .into_iter()

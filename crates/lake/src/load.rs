@@ -32,6 +32,8 @@ use crate::layout::{LakeTable, REJECTIONS_SCHEMA};
 pub struct LoadOptions {
     /// Records per chunk (one commit each to events and, if needed, rejections).
     pub chunk_records: usize,
+    /// Input bytes per chunk: a chunk also closes when its records reach this size.
+    pub chunk_bytes: usize,
     /// The validator's clock and the stamped ingest time (microseconds); None = now.
     pub now_us: Option<i64>,
     /// Name recorded as the rejection `source`.
@@ -41,12 +43,15 @@ pub struct LoadOptions {
 impl LoadOptions {
     /// Default chunk: 100,000 records.
     pub const DEFAULT_CHUNK_RECORDS: usize = 100_000;
+    /// Default chunk byte budget: 64 MiB of input.
+    pub const DEFAULT_CHUNK_BYTES: usize = 64 * 1024 * 1024;
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             chunk_records: Self::DEFAULT_CHUNK_RECORDS,
+            chunk_bytes: Self::DEFAULT_CHUNK_BYTES,
             now_us: None,
             source_name: "load".into(),
         }
@@ -225,13 +230,19 @@ struct ChunkState<'a> {
     in_chunk: usize,
     chunk_dups: u64,
     chunk_rejected: BTreeMap<String, u64>,
+    chunk_bytes: usize,
+    clock_us: i64,
 }
+
+/// Snapshot summary key: the validation clock of a load, µs.
+const SUMMARY_LOAD_CLOCK: &str = "signalweave.load-clock-us";
 
 impl ChunkState<'_> {
     fn record(&mut self, raw: &[u8], position: u64) {
-        let now = self.options.now_us.unwrap_or_else(now_us);
+        let now = self.clock_us;
         self.report.records += 1;
         self.in_chunk += 1;
+        self.chunk_bytes += raw.len();
         match self.validator.validate_bytes(raw, now, now) {
             Ok(event) => {
                 let key = (
@@ -262,6 +273,11 @@ impl ChunkState<'_> {
         let seq = self.chunk;
         self.chunk += 1;
         self.in_chunk = 0;
+        self.chunk_bytes = 0;
+        let summary: std::collections::HashMap<String, String> =
+            [(SUMMARY_LOAD_CLOCK.to_string(), self.clock_us.to_string())]
+                .into_iter()
+                .collect();
         let rejections = self.rejections.rows;
         let rejected_batch = self.rejections.finish()?;
         let events_batch = self
@@ -273,7 +289,12 @@ impl ChunkState<'_> {
         if rejections > 0 {
             let outcome = self
                 .lake
-                .append(LakeTable::Rejections, &[rejected_batch], &identity)
+                .append_with_summary(
+                    LakeTable::Rejections,
+                    &[rejected_batch],
+                    &identity,
+                    summary.clone(),
+                )
                 .await?;
             skipped = outcome.already_committed;
         }
@@ -281,7 +302,7 @@ impl ChunkState<'_> {
         if accepted > 0 {
             let outcome = self
                 .lake
-                .append(LakeTable::Events, &[events_batch], &identity)
+                .append_with_summary(LakeTable::Events, &[events_batch], &identity, summary)
                 .await?;
             skipped = outcome.already_committed;
         }
@@ -319,12 +340,54 @@ impl Lake {
                 "chunk_records must be > 0",
             ));
         }
+        if options.chunk_bytes == 0 {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "chunk_bytes must be > 0",
+            ));
+        }
         let digest = file_digest(path)?;
+        let writer = format!(
+            "load-{digest}-r{}-b{}",
+            options.chunk_records, options.chunk_bytes
+        );
+        // The same file loaded with another chunk geometry would cut other chunks: refuse
+        // rather than land its records a second time.
+        for table in [LakeTable::Events, LakeTable::Rejections] {
+            let prefix = format!("load-{digest}-");
+            if let Some(other) = self
+                .writers_with_prefix(table, &prefix)
+                .await?
+                .into_iter()
+                .find(|w| *w != writer)
+            {
+                let geometry = other.trim_start_matches(&prefix);
+                return Err(LakeError::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "{} was already loaded (perhaps partly) with chunk geometry {geometry}; rerun with the same --chunk-records to resume",
+                        path.display()
+                    ),
+                ));
+            }
+        }
+        // A resumed load reuses the clock its first commit recorded.
+        let mut recorded = None;
+        for table in [LakeTable::Rejections, LakeTable::Events] {
+            if let Some(v) = self
+                .writer_summary(table, &writer, SUMMARY_LOAD_CLOCK)
+                .await?
+            {
+                recorded = v.parse::<i64>().ok();
+                break;
+            }
+        }
+        let clock_us = recorded.or(options.now_us).unwrap_or_else(now_us);
         let mut state = ChunkState {
             lake: self,
             validator,
             options,
-            writer: format!("load-{digest}"),
+            writer,
             seen: HashSet::new(),
             report: LoadReport {
                 file_digest: digest,
@@ -336,6 +399,8 @@ impl Lake {
             in_chunk: 0,
             chunk_dups: 0,
             chunk_rejected: BTreeMap::new(),
+            chunk_bytes: 0,
+            clock_us,
         };
         match LoadFormat::from_path(path) {
             LoadFormat::Ndjson => {
@@ -357,7 +422,9 @@ impl Lake {
                         continue;
                     }
                     state.record(trimmed, position);
-                    if state.in_chunk >= options.chunk_records {
+                    if state.in_chunk >= options.chunk_records
+                        || state.chunk_bytes >= options.chunk_bytes
+                    {
                         state.flush().await?;
                     }
                 }
@@ -379,7 +446,9 @@ impl Lake {
                     for row in wire_rows(&batch)? {
                         position += 1;
                         state.record(row.as_bytes(), position);
-                        if state.in_chunk >= options.chunk_records {
+                        if state.in_chunk >= options.chunk_records
+                            || state.chunk_bytes >= options.chunk_bytes
+                        {
                             state.flush().await?;
                         }
                     }

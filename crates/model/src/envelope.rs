@@ -380,7 +380,7 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-const ENVELOPE_FIELDS: [&str; 14] = [
+const ENVELOPE_FIELDS: [&str; 13] = [
     "event_id",
     "event_type",
     "schema_version",
@@ -394,7 +394,6 @@ const ENVELOPE_FIELDS: [&str; 14] = [
     "market_id",
     "business_version",
     "payload",
-    "ingest_time",
 ];
 
 impl EventValidator {
@@ -576,36 +575,39 @@ impl EventValidator {
                 format!("payload field `{unknown}` is not declared by {event_type} v{version}"),
             ));
         }
-        for decl in &reader.fields {
-            let written = writer
-                .field(&decl.name)
-                .and_then(|_| payload.get(&decl.name));
-            let value = match written {
-                Some(v) if !v.is_null() => v.clone(),
-                _ => {
-                    let required_by_writer = writer.field(&decl.name).is_some_and(|w| w.required);
-                    if required_by_writer {
+        // First the writer's own schema: presence, type and unit of what it declares.
+        for decl in &writer.fields {
+            match payload.get(&decl.name) {
+                None | Some(Value::Null) if decl.required => {
+                    return Err(reject(
+                        ReasonCode::MissingField,
+                        format!("payload field `{}` is required", decl.name),
+                    ));
+                }
+                None | Some(Value::Null) => {}
+                Some(value) => {
+                    if !json_matches_type(value, decl.field_type) {
                         return Err(reject(
-                            ReasonCode::MissingField,
-                            format!("payload field `{}` is required", decl.name),
+                            ReasonCode::WrongType,
+                            format!(
+                                "payload field `{}` must be {}, got {value}",
+                                decl.name, decl.field_type
+                            ),
                         ));
                     }
-                    match &decl.default {
-                        Some(d) if !d.is_null() => d.clone(),
-                        _ => continue,
-                    }
+                    check_unit(&decl.name, decl.unit.as_deref(), decl.field_type, value)?;
                 }
-            };
-            if !json_matches_type(&value, decl.field_type) {
-                return Err(reject(
-                    ReasonCode::WrongType,
-                    format!(
-                        "payload field `{}` must be {}, got {value}",
-                        decl.name, decl.field_type
-                    ),
-                ));
             }
-            check_unit(&decl.name, decl.unit.as_deref(), decl.field_type, &value)?;
+        }
+        // Then the projection onto the current reader: reader fields, defaults filled in.
+        for decl in &reader.fields {
+            let value = match payload.get(&decl.name) {
+                Some(v) if !v.is_null() => v.clone(),
+                _ => match &decl.default {
+                    Some(d) if !d.is_null() => d.clone(),
+                    _ => continue,
+                },
+            };
             match decl.name.as_str() {
                 "amount_minor" => amount_minor = value.as_i64(),
                 "currency" => currency = value.as_str().map(str::to_owned),
