@@ -139,6 +139,8 @@ fn committed_fixture_is_the_generator_output() {
             "0.02",
             "--invalid-fraction",
             "0.02",
+            "--events-per-sec",
+            "2",
         ],
     ));
     let committed = support::repo().join("fixtures");

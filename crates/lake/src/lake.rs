@@ -478,7 +478,10 @@ impl Lake {
         let data_files = files.len();
         let mut props = summary.clone();
         props.insert(SUMMARY_WRITER_ID.to_string(), identity.writer_id.clone());
-        props.insert(SUMMARY_BATCH_SEQ.to_string(), identity.batch_seq.to_string());
+        props.insert(
+            SUMMARY_BATCH_SEQ.to_string(),
+            identity.batch_seq.to_string(),
+        );
         let tx = Transaction::new(&current);
         let action = tx
             .fast_append()

@@ -1,0 +1,183 @@
+//! Window-engine throughput, and DataFusion computing the same GROUP BY over the same
+//! in-memory batches on one core (target_partitions = 1), in the same run.
+//!
+//! `cargo bench -p signalweave-window --bench engine`
+//!
+//! Also prints the state held per active key and per open window for market_aggregates.
+
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use datafusion::datasource::MemTable;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use signalweave_fixtures::{Generator, Record, WorkloadSpec};
+use signalweave_model::EventBatchBuilder;
+use signalweave_window::{EngineConfig, JobSpec, WindowEngine};
+
+const EVENTS: u64 = 1_000_000;
+const BATCH: usize = 8192;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn batches(markets: u32, customers: u64, events_per_sec: u64) -> Vec<RecordBatch> {
+    let spec = WorkloadSpec {
+        events: EVENTS,
+        events_per_sec,
+        markets,
+        hot_markets: 0,
+        customers,
+        whales: 0,
+        dup_fraction: 0.0,
+        late_fraction: 0.0,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    let mut b = EventBatchBuilder::with_capacity(BATCH);
+    for r in Generator::new(spec) {
+        if let Record::Event(mut e) = r {
+            e.ingest_time_us = e.event_time_us;
+            b.push(&e);
+            if b.len() == BATCH {
+                out.push(b.finish().unwrap());
+            }
+        }
+    }
+    if !b.is_empty() {
+        out.push(b.finish().unwrap());
+    }
+    out
+}
+
+fn job(name: &str) -> Arc<JobSpec> {
+    Arc::new(JobSpec::from_file(repo().join(format!("jobs/{name}.toml"))).unwrap())
+}
+
+fn run(spec: &Arc<JobSpec>, data: &[RecordBatch]) -> usize {
+    let mut e = WindowEngine::new(Arc::clone(spec), EngineConfig::default()).unwrap();
+    let mut emitted = 0;
+    let mut proc = 0;
+    for b in data {
+        e.process_batch(b, "bench", proc).unwrap();
+        emitted += e.fire(proc).len();
+        proc += 1_000_000;
+    }
+    emitted + e.finish(proc).len()
+}
+
+fn datafusion_market(data: &[RecordBatch]) -> (tokio::runtime::Runtime, SessionContext) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(1));
+    let table = MemTable::try_new(data[0].schema(), vec![data.to_vec()]).unwrap();
+    ctx.register_table("events", Arc::new(table)).unwrap();
+    (rt, ctx)
+}
+
+const MARKET_SQL: &str = "SELECT market_id, date_bin(INTERVAL '1 minute', event_time) AS window_start, \
+    count(*) FILTER (WHERE event_type = 'order_placed') AS placed_count, \
+    sum(amount_minor) FILTER (WHERE event_type = 'order_placed') AS placed_amount_minor, \
+    count(*) FILTER (WHERE event_type = 'order_paid') AS paid_count, \
+    sum(amount_minor) FILTER (WHERE event_type = 'order_paid') AS paid_amount_minor, \
+    count(*) FILTER (WHERE event_type = 'order_cancelled') AS cancelled_count, \
+    sum(amount_minor) FILTER (WHERE event_type = 'order_cancelled') AS cancelled_amount_minor \
+    FROM events WHERE event_type IN ('order_placed', 'order_paid', 'order_cancelled') \
+    GROUP BY market_id, window_start";
+
+fn bench(c: &mut Criterion) {
+    // 100k markets, 10k events/s: each key sees about one event per window.
+    let market_data = batches(100_000, 100_000, 10_000);
+    let market = job("market_aggregates");
+    {
+        let mut e = WindowEngine::new(Arc::clone(&market), EngineConfig::default()).unwrap();
+        for (i, b) in market_data.iter().enumerate() {
+            e.process_batch(b, "bench", i as i64).unwrap();
+            e.fire(i as i64);
+        }
+        let s = e.state_size();
+        eprintln!(
+            "market_aggregates state: {} keys, {} open windows, {} panes, {} timers; window state {} B = {:.0} B per active key, {:.0} B per open window; dedup {} identities, {} B",
+            s.keys,
+            s.windows,
+            s.panes,
+            s.timers,
+            s.window_state_bytes,
+            s.window_state_bytes as f64 / s.keys as f64,
+            s.window_state_bytes as f64 / s.windows as f64,
+            s.dedup_identities,
+            s.dedup_bytes
+        );
+    }
+    let mut g = c.benchmark_group("market_aggregates_100k_keys");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(EVENTS));
+    g.bench_function("signalweave_engine", |b| {
+        b.iter(|| run(&market, &market_data))
+    });
+    let (rt, ctx) = datafusion_market(&market_data);
+    g.bench_function("datafusion_sql_1_partition", |b| {
+        b.iter(|| {
+            rt.block_on(async { ctx.sql(MARKET_SQL).await.unwrap().collect().await.unwrap() })
+        })
+    });
+    g.finish();
+
+    // customer_features: sliding 10 min / 1 min over 100k customers, against tumbling on the same data.
+    let customer_data = batches(1_000, 100_000, 10_000);
+    let sliding = job("customer_features");
+    let tumbling = Arc::new(
+        JobSpec::from_toml(
+            &std::fs::read_to_string(repo().join("jobs/customer_features.toml"))
+                .unwrap()
+                .replace(
+                    "kind = \"sliding\"\nsize = \"10m\"\nslide = \"1m\"",
+                    "kind = \"tumbling\"\nsize = \"1m\"",
+                ),
+        )
+        .unwrap(),
+    );
+    let mut g = c.benchmark_group("customer_features_100k_keys");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(EVENTS));
+    g.bench_function("sliding_10m_1m", |b| {
+        b.iter(|| run(&sliding, &customer_data))
+    });
+    g.bench_function("tumbling_1m", |b| b.iter(|| run(&tumbling, &customer_data)));
+    g.finish();
+
+    // Sessions over 1M customers.
+    let session_data = batches(1_000, 1_000_000, 10_000);
+    let sessions = Arc::new(
+        JobSpec::from_toml(
+            &std::fs::read_to_string(repo().join("jobs/withdrawals.toml"))
+                .unwrap()
+                .replace("columns = [\"market_id\"]", "columns = [\"customer_id\"]")
+                .replace(
+                    "event_types = [\"withdrawal_requested\"]",
+                    "event_types = []",
+                ),
+        )
+        .unwrap(),
+    );
+    let mut g = c.benchmark_group("sessions_1m_customers");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(EVENTS));
+    g.bench_function("session_5m_gap", |b| {
+        b.iter_batched(
+            || (),
+            |_| run(&sessions, &session_data),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

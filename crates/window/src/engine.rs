@@ -1,0 +1,951 @@
+//! [`WindowEngine`]: keyed event-time windows over Arrow batches.
+//!
+//! # Lifecycle
+//!
+//! The caller alternates [`WindowEngine::process_batch`] (route records into windows;
+//! returns the records that went elsewhere) and [`WindowEngine::fire`] (advance the
+//! watermark with processing time, fire triggers, retire state; returns output rows).
+//! [`WindowEngine::finish`] ends the input: every window fires and retires.
+//! [`WindowEngine::snapshot`] / [`WindowEngine::restore`] move the whole state through
+//! bytes; restore-then-continue emits exactly what an uninterrupted run emits.
+//!
+//! # Semantics
+//!
+//! - Records in a batch are classified against the watermark as it was before the batch;
+//!   the batch's event times move the watermark at the next `fire`.
+//! - Tumbling and sliding windows are pane-based: a record updates the one pane of width
+//!   `slide` (`size` for tumbling) it falls in; a window combines `size / slide` panes.
+//! - A window `[start, end)` fires `on_time` once the watermark reaches `end`, may emit
+//!   `provisional` versions before (early trigger), and `corrected` versions after, until the
+//!   watermark reaches `end + allowed lateness`, when it retires. A record whose every window
+//!   has retired goes to the late output (`beyond_allowed_lateness`).
+//! - Sessions merge on overlap (`[t, t + gap)`); a merge that changes an emitted session's
+//!   identity retracts the old identity (a `corrected` version with `retracted = true`).
+//! - Duplicates share the dedup identity (default `(tenant, event_id)`) within the horizon
+//!   `allowed lateness + window span + replay horizon` of event time; they change nothing.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::{Array, AsArray, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Int64Type, TimestampMicrosecondType};
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::{Deserialize, Serialize};
+use signalweave_model::ErrorKind;
+
+use crate::error::{Result, WindowError};
+use crate::output::{AggValue, BatchOutcome, Completeness, LateReason, LateRecord, OutputRow};
+use crate::spec::{AggregateFunction, JobSpec, WindowSpec, micros};
+use crate::watermark::Watermarks;
+
+/// Default number of key groups (fixed for the life of a job).
+pub const DEFAULT_KEY_GROUPS: u16 = 256;
+
+/// Engine options that are not part of the job spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Output namespace (`live`, or a backfill's namespace).
+    pub namespace: String,
+    /// Number of key groups keys hash into.
+    pub key_groups: u16,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            namespace: "live".into(),
+            key_groups: DEFAULT_KEY_GROUPS,
+        }
+    }
+}
+
+/// Accumulator slots of a window or pane: `[events, first, last, aggregate slots...]`.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    pub stride: usize,
+    /// For each aggregate: (function, first slot).
+    pub aggs: Vec<(AggregateFunction, usize)>,
+}
+
+const EVENTS: usize = 0;
+const FIRST: usize = 1;
+const LAST: usize = 2;
+
+impl Layout {
+    fn new(spec: &JobSpec) -> Self {
+        let mut next = 3;
+        let mut aggs = Vec::new();
+        for a in &spec.aggregates {
+            aggs.push((a.function, next));
+            next += if a.function == AggregateFunction::Count {
+                1
+            } else {
+                2
+            };
+        }
+        Self { stride: next, aggs }
+    }
+
+    pub fn empty(&self) -> Vec<i64> {
+        let mut v = vec![0; self.stride];
+        v[FIRST] = i64::MAX;
+        v[LAST] = i64::MIN;
+        for (f, slot) in &self.aggs {
+            match f {
+                AggregateFunction::Min => v[*slot] = i64::MAX,
+                AggregateFunction::Max => v[*slot] = i64::MIN,
+                _ => {}
+            }
+        }
+        v
+    }
+
+    /// Merges `src` into `dst`.
+    pub fn merge(&self, dst: &mut [i64], src: &[i64]) {
+        dst[EVENTS] += src[EVENTS];
+        dst[FIRST] = dst[FIRST].min(src[FIRST]);
+        dst[LAST] = dst[LAST].max(src[LAST]);
+        for (f, s) in &self.aggs {
+            let s = *s;
+            match f {
+                AggregateFunction::Count => dst[s] += src[s],
+                AggregateFunction::Sum | AggregateFunction::Avg => {
+                    dst[s] = dst[s].wrapping_add(src[s]);
+                    dst[s + 1] += src[s + 1];
+                }
+                AggregateFunction::Min => {
+                    dst[s] = dst[s].min(src[s]);
+                    dst[s + 1] += src[s + 1];
+                }
+                AggregateFunction::Max => {
+                    dst[s] = dst[s].max(src[s]);
+                    dst[s + 1] += src[s + 1];
+                }
+            }
+        }
+    }
+
+    fn values(&self, acc: &[i64]) -> Vec<AggValue> {
+        self.aggs
+            .iter()
+            .map(|(f, s)| {
+                let s = *s;
+                match f {
+                    AggregateFunction::Count => AggValue::Int(acc[s]),
+                    _ if acc[s + 1] == 0 => AggValue::Null,
+                    AggregateFunction::Avg => AggValue::Float(acc[s] as f64 / acc[s + 1] as f64),
+                    _ => AggValue::Int(acc[s]),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Emission bookkeeping of one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WindowMeta {
+    /// Last emitted version (0 = never emitted).
+    pub version: u32,
+    /// The watermark has passed the end (on-time fired, or created after it).
+    pub closed: bool,
+    /// Changed since its last emission.
+    pub dirty: bool,
+}
+
+/// A pane: its accumulator slot range in the slab and whether it changed since the last fire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PaneRef {
+    pub slab: u32,
+    pub dirty: bool,
+}
+
+/// One session of one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Session {
+    pub end: i64,
+    pub acc: Vec<i64>,
+    pub meta: WindowMeta,
+}
+
+/// What a timer does when the watermark reaches its time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum TimerKind {
+    OnTime,
+    Retire,
+}
+
+/// A timer: window `start` (pane index, or session start µs) of `key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Timer {
+    pub key: u32,
+    pub start: i64,
+    pub kind: TimerKind,
+}
+
+/// Column positions of a batch, resolved once per batch.
+struct Columns<'a> {
+    keys: Vec<&'a StringArray>,
+    time: &'a arrow::array::PrimitiveArray<TimestampMicrosecondType>,
+    identity: Vec<&'a StringArray>,
+    event_type: Option<&'a StringArray>,
+    input: Option<&'a StringArray>,
+    agg_inputs: Vec<Option<&'a arrow::array::PrimitiveArray<Int64Type>>>,
+}
+
+/// The engine. See the module docs.
+#[derive(Debug)]
+pub struct WindowEngine {
+    pub(crate) spec: Arc<JobSpec>,
+    pub(crate) config: EngineConfig,
+    pub(crate) layout: Arc<Layout>,
+    pub(crate) empty_acc: Vec<i64>,
+    /// Pane width (µs) and panes per window; unused for sessions.
+    pub(crate) pane_us: i64,
+    pub(crate) panes_per_window: i64,
+    pub(crate) lateness_us: i64,
+    pub(crate) horizon_us: i64,
+    pub(crate) early_us: Option<i64>,
+    pub(crate) key_ids: FxHashMap<Box<str>, u32>,
+    pub(crate) key_names: Vec<Box<str>>,
+    pub(crate) key_group: Vec<u16>,
+    pub(crate) panes: FxHashMap<(u32, i64), PaneRef>,
+    pub(crate) slab: Vec<i64>,
+    pub(crate) free: Vec<u32>,
+    pub(crate) windows: FxHashMap<(u32, i64), WindowMeta>,
+    pub(crate) sessions: FxHashMap<u32, BTreeMap<i64, Session>>,
+    pub(crate) timers: BTreeMap<i64, Vec<Timer>>,
+    pub(crate) dirty_panes: Vec<(u32, i64)>,
+    pub(crate) early_queue: Vec<(u32, i64)>,
+    pub(crate) correction_queue: Vec<(u32, i64)>,
+    pub(crate) pending: Vec<OutputRow>,
+    pub(crate) dedup: FxHashMap<u128, (i64, u16)>,
+    pub(crate) dedup_swept_at: i64,
+    pub(crate) watermarks: Watermarks,
+    pub(crate) next_early_at: Option<i64>,
+    pub(crate) event_type_filter: Option<FxHashSet<Box<str>>>,
+    key_buf: String,
+}
+
+fn col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
+    batch.column_by_name(name).ok_or_else(|| {
+        WindowError::new(
+            ErrorKind::InvalidInput,
+            format!("input batch has no column `{name}`"),
+        )
+    })
+}
+
+fn str_col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a StringArray> {
+    col(batch, name)?.as_string_opt::<i32>().ok_or_else(|| {
+        WindowError::new(
+            ErrorKind::InvalidInput,
+            format!("column `{name}` must be Utf8"),
+        )
+    })
+}
+
+impl WindowEngine {
+    /// A new, empty engine for `spec`.
+    pub fn new(spec: Arc<JobSpec>, config: EngineConfig) -> Result<Self> {
+        spec.validate()?;
+        if config.key_groups == 0 {
+            return Err(WindowError::new(
+                ErrorKind::Config,
+                "key_groups must be positive",
+            ));
+        }
+        let (pane_us, panes_per_window) = match spec.window {
+            WindowSpec::Tumbling { size } => (micros(size), 1),
+            WindowSpec::Sliding { size, slide } => (micros(slide), micros(size) / micros(slide)),
+            WindowSpec::Session { .. } => (1, 1),
+        };
+        let event_type_filter = (!spec.source.event_types.is_empty()).then(|| {
+            spec.source
+                .event_types
+                .iter()
+                .map(|t| t.as_str().into())
+                .collect()
+        });
+        let layout = Arc::new(Layout::new(&spec));
+        Ok(Self {
+            empty_acc: layout.empty(),
+            layout,
+            pane_us,
+            panes_per_window,
+            lateness_us: micros(spec.lateness.allowed),
+            horizon_us: spec.dedup_horizon_us(),
+            early_us: spec.triggers.early_every.map(micros),
+            watermarks: Watermarks::new(
+                micros(spec.time.max_out_of_orderness),
+                micros(spec.time.idle_timeout),
+            ),
+            spec,
+            config,
+            key_ids: FxHashMap::default(),
+            key_names: Vec::new(),
+            key_group: Vec::new(),
+            panes: FxHashMap::default(),
+            slab: Vec::new(),
+            free: Vec::new(),
+            windows: FxHashMap::default(),
+            sessions: FxHashMap::default(),
+            timers: BTreeMap::new(),
+            dirty_panes: Vec::new(),
+            early_queue: Vec::new(),
+            correction_queue: Vec::new(),
+            pending: Vec::new(),
+            dedup: FxHashMap::default(),
+            dedup_swept_at: i64::MIN,
+            next_early_at: None,
+            event_type_filter,
+            key_buf: String::new(),
+        })
+    }
+
+    /// The job spec.
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    /// The engine options.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The current watermark, µs (`i64::MIN` before any input).
+    pub fn watermark(&self) -> i64 {
+        self.watermarks.current()
+    }
+
+    /// The key group of a key.
+    pub fn key_group_of(&self, key: &str) -> u16 {
+        (xxhash_rust::xxh3::xxh3_64(key.as_bytes()) % u64::from(self.config.key_groups)) as u16
+    }
+
+    fn intern(&mut self, key: &str) -> u32 {
+        if let Some(id) = self.key_ids.get(key) {
+            return *id;
+        }
+        let id = self.key_names.len() as u32;
+        let kg = self.key_group_of(key);
+        self.key_ids.insert(key.into(), id);
+        self.key_names.push(key.into());
+        self.key_group.push(kg);
+        id
+    }
+
+    fn is_session(&self) -> bool {
+        matches!(self.spec.window, WindowSpec::Session { .. })
+    }
+
+    fn window_bounds(&self, start_pane: i64) -> (i64, i64) {
+        let start = start_pane.saturating_mul(self.pane_us);
+        (
+            start,
+            start.saturating_add(self.pane_us.saturating_mul(self.panes_per_window)),
+        )
+    }
+
+    fn schedule(&mut self, at: i64, timer: Timer) {
+        self.timers.entry(at).or_default().push(timer);
+    }
+
+    fn columns<'a>(&self, batch: &'a RecordBatch) -> Result<Columns<'a>> {
+        let spec = &self.spec;
+        let keys = spec
+            .key
+            .columns
+            .iter()
+            .map(|c| str_col(batch, c))
+            .collect::<Result<Vec<_>>>()?;
+        let time = col(batch, &spec.time.event_time_column)?
+            .as_primitive_opt::<TimestampMicrosecondType>()
+            .ok_or_else(|| {
+                WindowError::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "column `{}` must be a microsecond timestamp",
+                        spec.time.event_time_column
+                    ),
+                )
+            })?;
+        let identity = spec
+            .dedup
+            .identity
+            .iter()
+            .map(|c| str_col(batch, c))
+            .collect::<Result<Vec<_>>>()?;
+        let needs_type = self.event_type_filter.is_some()
+            || spec.aggregates.iter().any(|a| a.event_type.is_some());
+        let event_type = if needs_type {
+            Some(str_col(batch, "event_type")?)
+        } else {
+            None
+        };
+        let input = match &spec.time.input_column {
+            Some(c) => Some(str_col(batch, c)?),
+            None => None,
+        };
+        let agg_inputs = spec
+            .aggregates
+            .iter()
+            .map(|a| match &a.column {
+                None => Ok(None),
+                Some(c) => {
+                    let array = col(batch, c)?;
+                    if array.data_type() != &DataType::Int64 {
+                        return Err(WindowError::new(
+                            ErrorKind::InvalidInput,
+                            format!("aggregate column `{c}` must be Int64"),
+                        ));
+                    }
+                    Ok(Some(array.as_primitive::<Int64Type>()))
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Columns {
+            keys,
+            time,
+            identity,
+            event_type,
+            input,
+            agg_inputs,
+        })
+    }
+
+    /// Routes the records of `batch` into windows. `input` names the batch's input
+    /// (source partition or producer) unless the spec names an `input_column`;
+    /// `proc_time_us` is the processing time of arrival.
+    pub fn process_batch(
+        &mut self,
+        batch: &RecordBatch,
+        input: &str,
+        proc_time_us: i64,
+    ) -> Result<BatchOutcome> {
+        let cols = self.columns(batch)?;
+        let mut outcome = BatchOutcome::default();
+        let wm = self.watermarks.current();
+        let mut batch_max: FxHashMap<&str, i64> = FxHashMap::default();
+        let mut single_input_max = i64::MIN;
+        let spec = Arc::clone(&self.spec);
+        let layout = Arc::clone(&self.layout);
+        let agg_type: Vec<Option<&str>> = spec
+            .aggregates
+            .iter()
+            .map(|a| a.event_type.as_deref())
+            .collect();
+        let mut delta = vec![0i64; self.layout.stride];
+        for row in 0..batch.num_rows() {
+            let event_type = cols.event_type.map(|c| c.value(row));
+            if let (Some(filter), Some(t)) = (&self.event_type_filter, event_type)
+                && !filter.contains(t)
+            {
+                outcome.filtered += 1;
+                continue;
+            }
+            let t = cols.time.value(row);
+            match cols.input {
+                Some(c) => {
+                    let name = if c.is_null(row) { "" } else { c.value(row) };
+                    let e = batch_max.entry(name).or_insert(i64::MIN);
+                    *e = (*e).max(t);
+                }
+                None => single_input_max = single_input_max.max(t),
+            }
+            // Key.
+            if cols.keys.iter().any(|k| k.is_null(row)) {
+                outcome.late.push(LateRecord {
+                    row: row as u32,
+                    reason: LateReason::NullKey,
+                    watermark: wm,
+                });
+                continue;
+            }
+            let key_id = if cols.keys.len() == 1 {
+                let k = cols.keys[0].value(row);
+                self.intern(k)
+            } else {
+                let mut buf = std::mem::take(&mut self.key_buf);
+                buf.clear();
+                for (i, k) in cols.keys.iter().enumerate() {
+                    if i > 0 {
+                        buf.push('|');
+                    }
+                    buf.push_str(k.value(row));
+                }
+                let id = self.intern(&buf);
+                self.key_buf = buf;
+                id
+            };
+            // Dedup.
+            let expires = t.saturating_add(self.horizon_us);
+            if expires > wm {
+                let id = identity_hash(&cols.identity, row);
+                let kg = self.key_group[key_id as usize];
+                // An identity held past its horizon (not yet swept) counts as absent, so
+                // classification never depends on when the sweep ran.
+                if self.dedup.get(&id).is_some_and(|(held, _)| *held > wm) {
+                    outcome.duplicates += 1;
+                    continue;
+                }
+                self.dedup.insert(id, (expires, kg));
+            }
+            // The record's contribution.
+            delta.copy_from_slice(&self.empty_acc);
+            delta[EVENTS] = 1;
+            delta[FIRST] = t;
+            delta[LAST] = t;
+            for (i, (f, s)) in layout.aggs.iter().enumerate() {
+                if let Some(want) = agg_type[i]
+                    && event_type != Some(want)
+                {
+                    continue;
+                }
+                let value = match cols.agg_inputs[i] {
+                    None => {
+                        delta[*s] = 1;
+                        continue;
+                    }
+                    Some(a) if a.is_null(row) => continue,
+                    Some(a) => a.value(row),
+                };
+                match f {
+                    AggregateFunction::Count => delta[*s] = 1,
+                    _ => {
+                        delta[*s] = value;
+                        delta[*s + 1] = 1;
+                    }
+                }
+            }
+            let accepted = if self.is_session() {
+                self.add_to_session(key_id, t, &delta, wm)
+            } else {
+                self.add_to_pane(key_id, t, &delta, wm)
+            };
+            if accepted {
+                outcome.counted += 1;
+            } else {
+                outcome.late.push(LateRecord {
+                    row: row as u32,
+                    reason: LateReason::BeyondAllowedLateness,
+                    watermark: wm,
+                });
+            }
+        }
+        match cols.input {
+            Some(_) => {
+                for (name, max) in batch_max {
+                    self.watermarks.observe(name, max, proc_time_us);
+                }
+            }
+            None if single_input_max > i64::MIN => {
+                self.watermarks
+                    .observe(input, single_input_max, proc_time_us)
+            }
+            None => self.watermarks.touch(input, proc_time_us),
+        }
+        Ok(outcome)
+    }
+
+    fn add_to_pane(&mut self, key: u32, t: i64, delta: &[i64], wm: i64) -> bool {
+        let pane = t.div_euclid(self.pane_us);
+        let newest_end = self.window_bounds(pane).1;
+        if wm >= newest_end.saturating_add(self.lateness_us) {
+            return false;
+        }
+        let stride = self.layout.stride;
+        match self.panes.get_mut(&(key, pane)) {
+            Some(p) => {
+                let base = p.slab as usize * stride;
+                self.layout
+                    .merge(&mut self.slab[base..base + stride], delta);
+                if !p.dirty {
+                    p.dirty = true;
+                    self.dirty_panes.push((key, pane));
+                }
+            }
+            None => {
+                let slab = match self.free.pop() {
+                    Some(i) => {
+                        let base = i as usize * stride;
+                        self.slab[base..base + stride].copy_from_slice(delta);
+                        i
+                    }
+                    None => {
+                        let i = (self.slab.len() / stride) as u32;
+                        self.slab.extend_from_slice(delta);
+                        i
+                    }
+                };
+                self.panes
+                    .insert((key, pane), PaneRef { slab, dirty: true });
+                self.dirty_panes.push((key, pane));
+                for w in (pane - self.panes_per_window + 1)..=pane {
+                    if self.windows.contains_key(&(key, w)) {
+                        continue;
+                    }
+                    let (_, end) = self.window_bounds(w);
+                    let retire_at = end.saturating_add(self.lateness_us);
+                    if wm >= retire_at {
+                        continue;
+                    }
+                    let closed = wm >= end;
+                    self.windows.insert(
+                        (key, w),
+                        WindowMeta {
+                            version: 0,
+                            closed,
+                            dirty: false,
+                        },
+                    );
+                    if closed {
+                        self.schedule(
+                            retire_at,
+                            Timer {
+                                key,
+                                start: w,
+                                kind: TimerKind::Retire,
+                            },
+                        );
+                    } else {
+                        self.schedule(
+                            end,
+                            Timer {
+                                key,
+                                start: w,
+                                kind: TimerKind::OnTime,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    fn add_to_session(&mut self, key: u32, t: i64, delta: &[i64], wm: i64) -> bool {
+        let gap = self.spec.window.span_us();
+        let layout = Arc::clone(&self.layout);
+        let lateness = self.lateness_us;
+        let sessions = self.sessions.entry(key).or_default();
+        let mut start = t;
+        let mut end = t.saturating_add(gap);
+        // Sessions are disjoint and ordered, so their ends grow with their starts.
+        let overlapping: Vec<i64> = sessions
+            .range(..end)
+            .rev()
+            .take_while(|(_, s)| s.end > t)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in &overlapping {
+            let sess = &sessions[s];
+            start = start.min(*s);
+            end = end.max(sess.end);
+        }
+        if wm >= end.saturating_add(lateness) {
+            return false;
+        }
+        let mut acc = layout.empty();
+        layout.merge(&mut acc, delta);
+        let mut meta = WindowMeta::default();
+        let mut same_identity = false;
+        let mut any_closed = false;
+        let mut retractions = Vec::new();
+        for s in overlapping {
+            let Some(old) = sessions.remove(&s) else {
+                continue;
+            };
+            layout.merge(&mut acc, &old.acc);
+            any_closed |= old.meta.closed;
+            if s == start && old.end == end {
+                meta = old.meta;
+                same_identity = true;
+            } else if old.meta.version > 0 {
+                retractions.push((s, old));
+            }
+        }
+        meta.dirty = true;
+        if !same_identity {
+            meta.closed = any_closed || wm >= end;
+        }
+        let closed = meta.closed;
+        sessions.insert(start, Session { end, acc, meta });
+        for (s, old) in retractions {
+            self.pending.push(OutputRow {
+                key: self.key_names[key as usize].to_string(),
+                window_start: s,
+                window_end: old.end,
+                output_version: old.meta.version + 1,
+                completeness: Completeness::Corrected,
+                retracted: true,
+                watermark: wm,
+                emitted_at: 0,
+                first_event_time: old.acc[FIRST],
+                last_event_time: old.acc[LAST],
+                events: 0,
+                values: layout.values(&layout.empty()),
+            });
+        }
+        if closed {
+            self.correction_queue.push((key, start));
+            if !same_identity {
+                self.schedule(
+                    end.saturating_add(lateness),
+                    Timer {
+                        key,
+                        start,
+                        kind: TimerKind::Retire,
+                    },
+                );
+            }
+        } else if !same_identity {
+            self.schedule(
+                end,
+                Timer {
+                    key,
+                    start,
+                    kind: TimerKind::OnTime,
+                },
+            );
+        }
+        true
+    }
+
+    /// Advances processing time to `proc_time_us`: updates the watermark (idleness
+    /// included), fires on-time windows, emits corrections, fires the early trigger when
+    /// due, and retires closed state. Returns the emitted rows in emission order.
+    pub fn fire(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+        self.watermarks.recompute(proc_time_us);
+        self.fire_at(proc_time_us)
+    }
+
+    /// Ends the input: the watermark moves past every window, every window fires and retires.
+    pub fn finish(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+        self.watermarks.set_end();
+        self.fire_at(proc_time_us)
+    }
+
+    fn fire_at(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+        let wm = self.watermarks.current();
+        let mut out = std::mem::take(&mut self.pending);
+        for row in &mut out {
+            row.emitted_at = proc_time_us;
+        }
+        // 1. Changed panes mark their windows.
+        let dirty = std::mem::take(&mut self.dirty_panes);
+        for (key, pane) in dirty {
+            if let Some(p) = self.panes.get_mut(&(key, pane)) {
+                p.dirty = false;
+            }
+            for w in (pane - self.panes_per_window + 1)..=pane {
+                if let Some(meta) = self.windows.get_mut(&(key, w))
+                    && !meta.dirty
+                {
+                    meta.dirty = true;
+                    if meta.closed {
+                        self.correction_queue.push((key, w));
+                    } else {
+                        self.early_queue.push((key, w));
+                    }
+                }
+            }
+        }
+        // 2. Timers up to the watermark, in time order.
+        while let Some(entry) = self.timers.first_entry() {
+            if *entry.key() > wm {
+                break;
+            }
+            let (at, timers) = entry.remove_entry();
+            for timer in timers {
+                self.run_timer(at, timer, wm, proc_time_us, &mut out);
+            }
+        }
+        // 3. Corrections of closed windows.
+        let corrections = std::mem::take(&mut self.correction_queue);
+        for (key, start) in corrections {
+            self.emit(
+                key,
+                start,
+                Completeness::Corrected,
+                wm,
+                proc_time_us,
+                &mut out,
+            );
+        }
+        // 4. The early trigger.
+        if let Some(every) = self.early_us {
+            let due = *self
+                .next_early_at
+                .get_or_insert(proc_time_us.saturating_add(every));
+            if proc_time_us >= due {
+                let early = std::mem::take(&mut self.early_queue);
+                for (key, start) in early {
+                    self.emit(
+                        key,
+                        start,
+                        Completeness::Provisional,
+                        wm,
+                        proc_time_us,
+                        &mut out,
+                    );
+                }
+                self.next_early_at = Some(proc_time_us.saturating_add(every));
+            }
+        } else {
+            self.early_queue.clear();
+        }
+        // 5. Dedup identities past their horizon.
+        if wm > self.dedup_swept_at.saturating_add(self.horizon_us / 8 + 1) {
+            self.dedup.retain(|_, (expires, _)| *expires > wm);
+            self.dedup_swept_at = wm;
+        }
+        out
+    }
+
+    fn run_timer(&mut self, at: i64, timer: Timer, wm: i64, now: i64, out: &mut Vec<OutputRow>) {
+        let Timer { key, start, kind } = timer;
+        if self.is_session() {
+            let Some(end) = self
+                .sessions
+                .get(&key)
+                .and_then(|s| s.get(&start))
+                .map(|s| s.end)
+            else {
+                return;
+            };
+            match kind {
+                TimerKind::OnTime if end == at => {
+                    self.emit(key, start, Completeness::OnTime, wm, now, out);
+                    self.schedule(
+                        end.saturating_add(self.lateness_us),
+                        Timer {
+                            key,
+                            start,
+                            kind: TimerKind::Retire,
+                        },
+                    );
+                }
+                TimerKind::Retire if end.saturating_add(self.lateness_us) == at => {
+                    self.emit(key, start, Completeness::Corrected, wm, now, out);
+                    if let Some(s) = self.sessions.get_mut(&key) {
+                        s.remove(&start);
+                        if s.is_empty() {
+                            self.sessions.remove(&key);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        match kind {
+            TimerKind::OnTime => {
+                if !self.windows.contains_key(&(key, start)) {
+                    return;
+                }
+                self.emit(key, start, Completeness::OnTime, wm, now, out);
+                let (_, end) = self.window_bounds(start);
+                self.schedule(
+                    end.saturating_add(self.lateness_us),
+                    Timer {
+                        key,
+                        start,
+                        kind: TimerKind::Retire,
+                    },
+                );
+            }
+            TimerKind::Retire => {
+                self.emit(key, start, Completeness::Corrected, wm, now, out);
+                self.windows.remove(&(key, start));
+                // Pane `start` belongs to no younger window than this one: it is done.
+                if let Some(p) = self.panes.remove(&(key, start)) {
+                    self.free.push(p.slab);
+                }
+            }
+        }
+    }
+
+    /// Emits window `start` of `key` when it has something to say for `completeness`.
+    fn emit(
+        &mut self,
+        key: u32,
+        start: i64,
+        completeness: Completeness,
+        wm: i64,
+        now: i64,
+        out: &mut Vec<OutputRow>,
+    ) {
+        let (acc, meta, bounds) = if self.is_session() {
+            let Some(s) = self.sessions.get_mut(&key).and_then(|m| m.get_mut(&start)) else {
+                return;
+            };
+            (s.acc.clone(), &mut s.meta, (start, s.end))
+        } else {
+            let bounds = self.window_bounds(start);
+            let mut acc = self.layout.empty();
+            let stride = self.layout.stride;
+            for p in start..start + self.panes_per_window {
+                if let Some(pane) = self.panes.get(&(key, p)) {
+                    let base = pane.slab as usize * stride;
+                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+                }
+            }
+            let Some(meta) = self.windows.get_mut(&(key, start)) else {
+                return;
+            };
+            (acc, meta, bounds)
+        };
+        match completeness {
+            // The on-time version is the completeness transition of an open window.
+            Completeness::OnTime if meta.closed => return,
+            Completeness::OnTime => meta.closed = true,
+            // Stale queue entries must not clear a change that awaits a correction.
+            Completeness::Provisional if meta.closed || !meta.dirty => return,
+            Completeness::Corrected if !meta.dirty => return,
+            _ => {}
+        }
+        meta.dirty = false;
+        if acc[EVENTS] == 0 {
+            return;
+        }
+        meta.version += 1;
+        let version = meta.version;
+        out.push(OutputRow {
+            key: self.key_names[key as usize].to_string(),
+            window_start: bounds.0,
+            window_end: bounds.1,
+            output_version: version,
+            completeness,
+            retracted: false,
+            watermark: wm,
+            emitted_at: now,
+            first_event_time: acc[FIRST],
+            last_event_time: acc[LAST],
+            events: acc[EVENTS],
+            values: self.layout.values(&acc),
+        });
+    }
+}
+
+fn identity_hash(columns: &[&StringArray], row: usize) -> u128 {
+    if columns.len() == 2 {
+        let a = columns[0].value(row).as_bytes();
+        let b = columns[1].value(row).as_bytes();
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&(a.len() as u32).to_le_bytes());
+        h.update(a);
+        h.update(b);
+        return h.digest128();
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for c in columns {
+        let v = if c.is_null(row) {
+            &b""[..]
+        } else {
+            c.value(row).as_bytes()
+        };
+        h.update(&(v.len() as u32).to_le_bytes());
+        h.update(v);
+    }
+    h.digest128()
+}

@@ -1,0 +1,259 @@
+//! Scenario tests of the engine's semantics, one rule each.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use signalweave_window::{AggValue, Completeness, JobSpec, LateReason};
+
+const M: i64 = 60 * S;
+
+#[test]
+fn tumbling_on_time_then_corrected_then_late() {
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "2m", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(
+        &mut e,
+        &[rec("a", 10 * S, "1", 5), rec("a", 20 * S, "2", 7)],
+        0,
+        &mut out,
+    );
+    assert!(
+        out.rows.is_empty(),
+        "nothing before the watermark passes the end"
+    );
+    step(&mut e, &[rec("a", 61 * S, "3", 1)], S, &mut out); // watermark -> 61 s
+    let on_time: Vec<_> = out.rows.iter().filter(|r| r.window_start == 0).collect();
+    assert_eq!(on_time.len(), 1);
+    assert_eq!(on_time[0].completeness, Completeness::OnTime);
+    assert_eq!(on_time[0].output_version, 1);
+    assert_eq!(
+        on_time[0].values,
+        vec![AggValue::Int(2), AggValue::Int(12), AggValue::Int(7)]
+    );
+    // Within lateness: a corrected version 2.
+    step(&mut e, &[rec("a", 30 * S, "4", 100)], 2 * S, &mut out);
+    let last = out.rows.last().unwrap();
+    assert_eq!(
+        (last.window_start, last.output_version, last.completeness),
+        (0, 2, Completeness::Corrected)
+    );
+    assert_eq!(
+        last.values,
+        vec![AggValue::Int(3), AggValue::Int(112), AggValue::Int(100)]
+    );
+    // Move the watermark past end + lateness (60 s + 120 s), then a record for [0, 60 s) is late.
+    step(&mut e, &[rec("a", 200 * S, "5", 1)], 3 * S, &mut out);
+    let mut late = Run::default();
+    step(&mut e, &[rec("a", 40 * S, "6", 9)], 4 * S, &mut late);
+    assert_eq!(late.late.len(), 1);
+    let outcome = e
+        .process_batch(&batch(&[rec("a", 41 * S, "7", 9)]), "src", 5 * S)
+        .unwrap();
+    assert_eq!(outcome.late[0].reason, LateReason::BeyondAllowedLateness);
+    assert_versions_strictly_increase(&out.rows);
+}
+
+#[test]
+fn duplicates_never_change_an_aggregate() {
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None);
+    let mut e = engine(&spec);
+    let r = run(
+        &mut e,
+        &[
+            vec![rec("a", S, "x", 5), rec("a", 2 * S, "x", 5)],
+            vec![rec("a", 3 * S, "x", 5)],
+            vec![rec("a", 70 * S, "y", 1)],
+            vec![rec("a", 4 * S, "x", 5)],
+        ],
+        0,
+    );
+    assert_eq!(r.duplicates, 3);
+    let f = finals(&r.rows);
+    assert_eq!(f[&("a".into(), 0, M)].0, 1);
+}
+
+#[test]
+fn early_trigger_emits_provisional_versions_of_changed_windows() {
+    let spec = spec(
+        "kind = \"tumbling\"\nsize = \"1m\"",
+        "0s",
+        "1h",
+        Some("20s"),
+    );
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(&mut e, &[rec("a", S, "1", 1)], 0, &mut out);
+    assert!(
+        out.rows.is_empty(),
+        "the first early firing is 20 s after start"
+    );
+    step(&mut e, &[rec("a", 2 * S, "2", 1)], 20 * S, &mut out);
+    assert_eq!(out.rows.len(), 1);
+    assert_eq!(out.rows[0].completeness, Completeness::Provisional);
+    assert_eq!(out.rows[0].events, 2);
+    step(&mut e, &[], 40 * S, &mut out);
+    assert_eq!(
+        out.rows.len(),
+        1,
+        "an unchanged window is not re-emitted early"
+    );
+    step(&mut e, &[rec("a", 3 * S, "3", 1)], 60 * S, &mut out);
+    assert_eq!(out.rows.len(), 2);
+    assert_eq!(out.rows[1].output_version, 2);
+    step(&mut e, &[rec("a", 61 * S, "4", 1)], 61 * S, &mut out);
+    step(&mut e, &[], 62 * S, &mut out);
+    let on_time = out
+        .rows
+        .iter()
+        .find(|r| r.completeness == Completeness::OnTime)
+        .unwrap();
+    assert_eq!(
+        (on_time.window_start, on_time.output_version, on_time.events),
+        (0, 3, 3)
+    );
+    assert_versions_strictly_increase(&out.rows);
+}
+
+#[test]
+fn sliding_windows_combine_panes() {
+    let spec = spec(
+        "kind = \"sliding\"\nsize = \"3m\"\nslide = \"1m\"",
+        "0s",
+        "1h",
+        None,
+    );
+    let mut e = engine(&spec);
+    let r = run(
+        &mut e,
+        &[vec![
+            rec("a", 30 * S, "1", 1),
+            rec("a", 90 * S, "2", 10),
+            rec("a", 150 * S, "3", 100),
+        ]],
+        0,
+    );
+    let f = finals(&r.rows);
+    let sum = |s: i64| match f[&("a".into(), s * M, s * M + 3 * M)].1[1] {
+        AggValue::Int(v) => v,
+        _ => panic!(),
+    };
+    assert_eq!(f.len(), 5); // windows starting at -2, -1, 0, 1, 2 minutes
+    assert_eq!(sum(0), 111);
+    assert_eq!(sum(1), 110);
+    assert_eq!(sum(2), 100);
+    assert_eq!(sum(-1), 11);
+    assert_eq!(sum(-2), 1);
+}
+
+#[test]
+fn late_event_bridging_two_sessions_retracts_both() {
+    let spec = spec("kind = \"session\"\ngap = \"5m\"", "0s", "1h", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(
+        &mut e,
+        &[rec("a", 0, "1", 1), rec("a", 8 * M, "2", 2)],
+        0,
+        &mut out,
+    );
+    step(&mut e, &[rec("b", 30 * M, "x", 0)], S, &mut out); // watermark 30 min: both sessions fire
+    let fired: Vec<_> = out.rows.iter().filter(|r| r.key == "a").collect();
+    assert_eq!(fired.len(), 2);
+    assert!(fired.iter().all(|r| r.completeness == Completeness::OnTime));
+    // 4 min bridges [0, 5m) and [8m, 13m) into [0, 13m).
+    let mut more = Run::default();
+    step(&mut e, &[rec("a", 4 * M, "3", 4)], 2 * S, &mut more);
+    let retracted: Vec<_> = more.rows.iter().filter(|r| r.retracted).collect();
+    assert_eq!(retracted.len(), 2);
+    assert!(
+        retracted
+            .iter()
+            .all(|r| r.output_version == 2 && r.completeness == Completeness::Corrected)
+    );
+    let merged = more.rows.iter().find(|r| !r.retracted).unwrap();
+    assert_eq!(
+        (merged.window_start, merged.window_end, merged.events),
+        (0, 13 * M, 3)
+    );
+    let mut all = out.rows.clone();
+    all.extend(more.rows);
+    all.extend(e.finish(3 * S));
+    let f = finals(&all);
+    assert_eq!(f.keys().filter(|k| k.0 == "a").count(), 1);
+    assert_versions_strictly_increase(&all);
+}
+
+#[test]
+fn null_keys_go_to_the_late_output_with_their_reason() {
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None);
+    let mut e = engine(&spec);
+    let mut b = signalweave_model::EventBatchBuilder::with_capacity(1);
+    let mut ev = signalweave_fixtures::Generator::new(Default::default())
+        .find_map(|r| match r {
+            signalweave_fixtures::Record::Event(e) => Some(e),
+            _ => None,
+        })
+        .unwrap();
+    ev.market_id = None;
+    b.push(&ev);
+    let outcome = e.process_batch(&b.finish().unwrap(), "src", 0).unwrap();
+    assert_eq!(outcome.late.len(), 1);
+    assert_eq!(outcome.late[0].reason, LateReason::NullKey);
+}
+
+#[test]
+fn bad_specs_name_the_field() {
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../jobs/market_aggregates.toml"
+    ))
+    .unwrap();
+    for (from, to, field) in [
+        ("size = \"1m\"", "size = \"0s\"", "window.size"),
+        (
+            "kind = \"tumbling\"\nsize = \"1m\"",
+            "kind = \"sliding\"\nsize = \"10m\"\nslide = \"3m\"",
+            "window.slide",
+        ),
+        (
+            "kind = \"tumbling\"\nsize = \"1m\"",
+            "kind = \"session\"\ngap = \"5m\"",
+            "triggers.early_every",
+        ),
+        (
+            "function = \"sum\"\ncolumn = \"amount_minor\"",
+            "function = \"sum\"",
+            "aggregates[1].column",
+        ),
+        (
+            "name = \"paid_count\"",
+            "name = \"placed_count\"",
+            "aggregates[2].name",
+        ),
+        ("columns = [\"market_id\"]", "columns = []", "key.columns"),
+        (
+            "event_type = \"order_paid\"",
+            "event_type = \"withdrawal_requested\"",
+            "aggregates[2].event_type",
+        ),
+    ] {
+        assert!(base.contains(from), "{from}");
+        let err = JobSpec::from_toml(&base.replacen(from, to, 1)).unwrap_err();
+        assert!(err.message().contains(field), "{field}: {}", err.message());
+    }
+    let err =
+        JobSpec::from_toml(&base.replace("allowed = \"2h\"", "allowed = \"soon\"")).unwrap_err();
+    assert!(err.message().contains("line"), "{}", err.message());
+}
+
+#[test]
+fn shipped_jobs_parse() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../jobs");
+    for job in ["market_aggregates", "customer_features", "withdrawals"] {
+        let spec = JobSpec::from_file(format!("{dir}/{job}.toml")).unwrap();
+        assert_eq!(spec.name, job);
+    }
+}

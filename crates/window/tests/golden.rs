@@ -1,0 +1,123 @@
+//! Golden outputs: every version the three shipped jobs emit over the committed fixture
+//! `fixtures/sample.ndjson`, fed in file order in batches of 100 records with processing
+//! time advancing 5 s per batch. For `customer_features` (ten windows per order) the file
+//! keeps the whale customers `c-0`..`c-9` only; the header line counts every row.
+//! Regenerate with `SW_REGENERATE_GOLDEN=1`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::fmt::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use signalweave_model::{
+    EventBatchBuilder, EventValidator, SchemaRegistry, ValidationLimits, format_rfc3339_micros,
+};
+use signalweave_window::{AggValue, EngineConfig, JobSpec, WindowEngine};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn render(job: &str) -> String {
+    let spec = Arc::new(JobSpec::from_file(repo().join(format!("jobs/{job}.toml"))).unwrap());
+    let registry = SchemaRegistry::load_dir(repo().join("catalog/events")).unwrap();
+    let validator = EventValidator::new(Arc::new(registry), ValidationLimits::default());
+    let text = std::fs::read_to_string(repo().join("fixtures/sample.ndjson")).unwrap();
+    let far_future = i64::MAX / 4;
+    let events: Vec<_> = text
+        .lines()
+        .filter_map(|l| validator.validate_bytes(l.as_bytes(), far_future, 0).ok())
+        .collect();
+    let mut engine = WindowEngine::new(Arc::clone(&spec), EngineConfig::default()).unwrap();
+    let mut rows = Vec::new();
+    let (mut late, mut dups) = (0, 0);
+    let mut proc = 1_767_225_600_000_000;
+    for chunk in events.chunks(100) {
+        let mut b = EventBatchBuilder::with_capacity(chunk.len());
+        for e in chunk {
+            b.push(e);
+        }
+        let outcome = engine
+            .process_batch(&b.finish().unwrap(), "fixture", proc)
+            .unwrap();
+        late += outcome.late.len();
+        dups += outcome.duplicates;
+        rows.extend(engine.fire(proc));
+        proc += 5_000_000;
+    }
+    rows.extend(engine.finish(proc));
+    let mut out = String::new();
+    let names: Vec<&str> = spec.aggregates.iter().map(|a| a.name.as_str()).collect();
+    writeln!(
+        out,
+        "# {job}: {} rows, {late} late, {dups} duplicates",
+        rows.len()
+    )
+    .unwrap();
+    writeln!(
+        out,
+        "key,window_start,window_end,output_version,completeness,retracted,watermark,events,{}",
+        names.join(",")
+    )
+    .unwrap();
+    let whales: Vec<String> = (0..10).map(|i| format!("c-{i}")).collect();
+    for r in rows {
+        if job == "customer_features" && !whales.contains(&r.key) {
+            continue;
+        }
+        let values: Vec<String> = r
+            .values
+            .iter()
+            .map(|v| match v {
+                AggValue::Int(i) => i.to_string(),
+                AggValue::Float(f) => format!("{f:.4}"),
+                AggValue::Null => String::new(),
+            })
+            .collect();
+        let wm = if r.watermark == i64::MAX {
+            "end".to_string()
+        } else {
+            format_rfc3339_micros(r.watermark)
+        };
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{}",
+            r.key,
+            format_rfc3339_micros(r.window_start),
+            format_rfc3339_micros(r.window_end),
+            r.output_version,
+            r.completeness.as_str(),
+            r.retracted,
+            wm,
+            r.events,
+            values.join(",")
+        )
+        .unwrap();
+    }
+    out
+}
+
+#[test]
+fn shipped_jobs_match_their_golden_outputs() {
+    for job in ["market_aggregates", "customer_features", "withdrawals"] {
+        let got = render(job);
+        let path = repo().join(format!("fixtures/golden/{job}.csv"));
+        if std::env::var("SW_REGENERATE_GOLDEN").is_ok_and(|v| v == "1") {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &got).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+            panic!(
+                "{} is missing: run with SW_REGENERATE_GOLDEN=1",
+                path.display()
+            )
+        });
+        assert!(
+            got == want,
+            "{job} differs from {}; if the change is intended, regenerate with SW_REGENERATE_GOLDEN=1",
+            path.display()
+        );
+    }
+}
