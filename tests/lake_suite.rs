@@ -274,6 +274,31 @@ async fn range_scan_prunes_day_partitions() {
             .await
             .unwrap();
         assert_eq!(plan.total_files, 3, "{}", b.name);
+        // The same range through SQL: Iceberg prunes the files, DataFusion filters the rows.
+        let day = |d: i64| format!("to_timestamp_micros({})", start + d * DAY_US);
+        let sql = format!(
+            "select count(*) from signalweave.events where event_time >= {} and event_time < {}",
+            day(1),
+            day(2)
+        );
+        assert_eq!(count(&lake, &sql).await, 600, "{}", b.name);
+        let ctx = lake.session_context().await.unwrap();
+        let explain = ctx
+            .sql(&format!("explain {sql}"))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let plan_text = arrow::util::pretty::pretty_format_batches(&explain)
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            plan_text.matches(".parquet").count(),
+            1,
+            "{}: one file scanned:\n{plan_text}",
+            b.name
+        );
         assert_eq!(plan.tasks.len(), 1, "{}: the other days are pruned", b.name);
         let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
         assert_eq!(rows(&read), 600);
@@ -318,6 +343,7 @@ async fn incremental_scan_reads_each_append_once() {
             .unwrap();
         assert!(empty.tasks.is_empty() && empty.upto.is_none());
         let mut position = None;
+        let mut first_position = None;
         let mut seen = 0;
         for round in 0..3 {
             for k in 0..2 {
@@ -338,6 +364,9 @@ async fn incremental_scan_reads_each_append_once() {
             let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
             assert_eq!(rows(&read), 200, "{}: round {round}", b.name);
             seen += rows(&read);
+            if first_position.is_none() {
+                first_position = plan.upto;
+            }
             position = plan.upto;
         }
         assert_eq!(seen, 600);
@@ -347,6 +376,33 @@ async fn incremental_scan_reads_each_append_once() {
             .unwrap();
         assert!(caught_up.tasks.is_empty());
         assert_eq!(caught_up.upto, position);
+        // From the start after expiry: every live file, though its snapshots are gone.
+        let outcome = lake
+            .expire_snapshots(LakeTable::Events, Some(1), Some(i64::MAX))
+            .await
+            .unwrap();
+        assert_eq!(
+            (outcome.snapshots_before, outcome.snapshots_after),
+            (6, 1),
+            "{}",
+            b.name
+        );
+        let all = lake
+            .plan_appended_since(LakeTable::Events, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            rows(&lake.read_all(LakeTable::Events, all.tasks).await.unwrap()),
+            600,
+            "{}",
+            b.name
+        );
+        // The old position is no longer an ancestor: the tail is told, not silently wrong.
+        let expired = lake
+            .plan_appended_since(LakeTable::Events, Some(first_position.unwrap()))
+            .await
+            .unwrap_err();
+        assert_eq!(expired.kind(), signalweave_model::ErrorKind::NotFound);
         let gone = lake
             .plan_appended_since(LakeTable::Events, Some(42))
             .await
@@ -414,6 +470,31 @@ async fn snapshots_and_time_travel() {
             .unwrap();
         assert_eq!(out[0].column(0).as_primitive::<Int64Type>().value(0), 0);
         assert!(lake.session_context_as_of(AsOf::Snapshot(1)).await.is_err());
+        // Expiry by the retention rule keeps the current snapshot and every row.
+        let kept = lake
+            .expire_snapshots(LakeTable::Events, None, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            kept.snapshots_after, 2,
+            "{}: younger than the 7-day rule",
+            b.name
+        );
+        let outcome = lake
+            .expire_snapshots(LakeTable::Events, Some(1), Some(i64::MAX))
+            .await
+            .unwrap();
+        assert_eq!(
+            (outcome.snapshots_before, outcome.snapshots_after),
+            (2, 1),
+            "{}",
+            b.name
+        );
+        assert!(
+            lake.session_context_as_of(AsOf::Snapshot(first.snapshot_id))
+                .await
+                .is_err()
+        );
         assert_eq!(
             count(&lake, "select count(*) from signalweave.events").await,
             300

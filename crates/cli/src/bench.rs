@@ -30,7 +30,7 @@ pub enum BenchCommand {
         /// Rows per commit.
         #[arg(long, default_value_t = 100)]
         rows: usize,
-        /// Expire snapshots (keeping the table's minimum) every N commits; 0 = never.
+        /// Every N commits, expire all but the last 100 snapshots, whatever their age; 0 = never.
         #[arg(long, default_value_t = 0)]
         expire_every: u64,
     },
@@ -146,7 +146,9 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 .await?;
                 lat.push(start.elapsed().as_secs_f64() * 1000.0);
                 if *expire_every > 0 && (i as u64 + 1).is_multiple_of(*expire_every) {
-                    lake.expire_snapshots(LakeTable::Events, None).await?;
+                    let now = chrono::Utc::now().timestamp_millis();
+                    lake.expire_snapshots(LakeTable::Events, Some(100), Some(now))
+                        .await?;
                 }
             }
             for at in [1usize, 100, 1_000, 10_000, 86_400] {
@@ -179,7 +181,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 let spec = WorkloadSpec {
                     seed: 7,
                     events: events - current,
-                    events_per_sec: 200,
+                    events_per_sec: 8,
                     customers: 100_000,
                     dup_fraction: 0.0,
                     late_fraction: 0.0,
@@ -211,7 +213,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 .last()
                 .map(|s| s.total_records)
                 .unwrap_or(0);
-            // Four of the 14 days at 200 events/s (from 2026-01-03 to 2026-01-07).
+            // Four of the ~14.5 days at 8 events/s (from 2026-01-03 to 2026-01-07).
             let predicate = "event_time >= TIMESTAMP '2026-01-03T00:00:00Z' AND event_time < TIMESTAMP '2026-01-07T00:00:00Z'";
             let query = |table: &str| {
                 format!(

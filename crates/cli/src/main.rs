@@ -99,6 +99,9 @@ enum LakeCommand {
         /// Keep at least this many snapshots, overriding the table property.
         #[arg(long)]
         retain_last: Option<usize>,
+        /// Expire snapshots older than this many seconds, overriding the table property.
+        #[arg(long)]
+        older_than_secs: Option<i64>,
     },
     /// List the snapshots of a table.
     Snapshots {
@@ -225,14 +228,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 rows,
             )?;
         }
-        Command::Lake(LakeCommand::Expire { table, retain_last }) => {
+        Command::Lake(LakeCommand::Expire {
+            table,
+            retain_last,
+            older_than_secs,
+        }) => {
+            let older_than_ms = older_than_secs
+                .map(|s| chrono::Utc::now().timestamp_millis() - s.saturating_mul(1000));
             let lake = open_lake(&cli).await?;
             let tables = match table {
                 Some(t) => vec![LakeTable::from_name(t)?],
                 None => LakeTable::ALL.to_vec(),
             };
             for t in tables {
-                let outcome = lake.expire_snapshots(t, *retain_last).await?;
+                let outcome = lake
+                    .expire_snapshots(t, *retain_last, older_than_ms)
+                    .await?;
                 outln!(
                     "signalweave.{:<12} snapshots {} -> {}",
                     t.name(),

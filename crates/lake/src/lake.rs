@@ -147,6 +147,9 @@ pub struct Lake {
     config: LakeConfig,
     catalog: Arc<SqlCatalog>,
     control: AnyPool,
+    /// Loaded tables (with their manifest caches), reused while their metadata location
+    /// is still the catalog's current one.
+    loaded: Arc<std::sync::Mutex<HashMap<LakeTable, Table>>>,
 }
 
 fn sqlx_url(config: &LakeConfig) -> String {
@@ -227,6 +230,7 @@ impl Lake {
             config,
             catalog: Arc::new(catalog),
             control,
+            loaded: Arc::default(),
         })
     }
 
@@ -322,9 +326,19 @@ impl Lake {
     }
 
     /// Loads a built-in table's current metadata.
+    ///
+    /// A table loaded before is reused (with its cache of manifests) when one query on the
+    /// catalog shows its metadata location is still current; otherwise it is loaded anew.
     pub async fn table(&self, table: LakeTable) -> Result<Table> {
         let ident = Self::ident(table);
-        self.catalog.load_table(&ident).await.map_err(|e| {
+        let cached = self.loaded.lock().ok().and_then(|m| m.get(&table).cloned());
+        if let Some(cached) = cached
+            && let Some(current) = self.current_metadata_location(table).await?
+            && cached.metadata_location() == Some(current.as_str())
+        {
+            return Ok(cached);
+        }
+        let loaded = self.catalog.load_table(&ident).await.map_err(|e| {
             let mut err = LakeError::iceberg(format!("load {ident}"), e);
             if err.kind() == ErrorKind::NotFound {
                 err = LakeError::new(
@@ -333,7 +347,28 @@ impl Lake {
                 );
             }
             err
-        })
+        })?;
+        if let Ok(mut m) = self.loaded.lock() {
+            m.insert(table, loaded.clone());
+        }
+        Ok(loaded)
+    }
+
+    /// The catalog's current metadata location of `table` (the JDBC-catalog row).
+    async fn current_metadata_location(&self, table: LakeTable) -> Result<Option<String>> {
+        let sql = if self.config.is_sqlite() {
+            "SELECT metadata_location FROM iceberg_tables WHERE catalog_name = ? AND table_namespace = ? AND table_name = ?"
+        } else {
+            "SELECT metadata_location FROM iceberg_tables WHERE catalog_name = $1 AND table_namespace = $2 AND table_name = $3"
+        };
+        let row: Option<(Option<String>,)> = sqlx::query_as(sql)
+            .bind(self.config.catalog_name.as_str())
+            .bind(NAMESPACE)
+            .bind(table.name())
+            .fetch_optional(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("read the catalog's metadata location", e))?;
+        Ok(row.and_then(|(loc,)| loc))
     }
 
     /// A summary property of the first retained snapshot `writer_id` committed to `table`.
@@ -581,7 +616,8 @@ impl Lake {
 
     /// Expires snapshots of `table` by its retention rule (table properties
     /// `history.expire.max-snapshot-age-ms` and `history.expire.min-snapshots-to-keep`;
-    /// `retain_last` overrides the latter). The current snapshot is always kept.
+    /// `retain_last` overrides the latter, `older_than_ms` the age cut-off). The current
+    /// snapshot is always kept.
     ///
     /// This removes snapshots from the table metadata only; deleting the files they alone
     /// referenced is the orphan-file sweep's job (lake maintenance). A retried append is
@@ -591,12 +627,16 @@ impl Lake {
         &self,
         table: LakeTable,
         retain_last: Option<usize>,
+        older_than_ms: Option<i64>,
     ) -> Result<ExpireOutcome> {
         let current = self.table(table).await?;
         let before = current.metadata().snapshots().len();
         let mut action = Transaction::new(&current).expire_snapshots();
         if let Some(n) = retain_last {
             action = action.retain_last(n.max(1));
+        }
+        if let Some(ms) = older_than_ms {
+            action = action.expire_older_than_ms(ms);
         }
         let tx = action
             .apply(Transaction::new(&current))

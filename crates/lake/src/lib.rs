@@ -13,7 +13,8 @@
 //! - [`Lake::plan_time_range`], [`Lake::plan_appended_since`], [`Lake::read`]: range scans
 //!   with partition pruning, the live tail's incremental read, and reading planned files.
 //! - [`Lake::snapshots`], [`Lake::snapshot_as_of`], [`AsOf`]: positions and time travel.
-//! - [`Lake::session_context`]: DataFusion SQL over every table.
+//! - [`Lake::session_context`], [`LakeTableProvider`]: DataFusion SQL over every table;
+//!   Iceberg plans the files, DataFusion's Parquet reader scans them.
 //!
 //! iceberg-rust 0.10 commits appends only; everything here is an append or a read.
 
@@ -22,6 +23,7 @@ mod error;
 mod lake;
 mod layout;
 mod load;
+mod provider;
 mod sql;
 
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
@@ -35,4 +37,5 @@ pub use layout::{
     SUMMARY_WRITER_ID,
 };
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
+pub use provider::{LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

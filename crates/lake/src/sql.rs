@@ -1,19 +1,23 @@
 //! SQL over the lake: a DataFusion [`SessionContext`] with every SignalWeave table.
 //!
-//! Tables resolve as `signalweave.<table>` (the default catalog is the lake). With
-//! [`AsOf`], every table is pinned to the snapshot that was current at a moment, or one
-//! table to a snapshot id.
+//! Tables resolve as `signalweave.<table>` (the default catalog is the lake). Each is a
+//! [`LakeTableProvider`]: Iceberg plans the files, DataFusion's Parquet reader scans them.
+//! With [`AsOf`], every table is pinned to the snapshot that was current at a moment, or
+//! one table to a snapshot id.
 
 use std::sync::Arc;
 
-use datafusion::catalog::{MemoryCatalogProvider, MemorySchemaProvider, SchemaProvider};
+use datafusion::catalog::{
+    CatalogProvider, MemoryCatalogProvider, MemorySchemaProvider, SchemaProvider,
+};
 use datafusion::prelude::{SessionConfig, SessionContext};
-use iceberg_datafusion::{IcebergCatalogProvider, IcebergStaticTableProvider};
 use signalweave_model::ErrorKind;
 
+use crate::config::Warehouse;
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
 use crate::layout::{LakeTable, NAMESPACE};
+use crate::provider::{LakeTableProvider, SnapshotChoice};
 
 /// Name of the DataFusion catalog holding the lake.
 pub const SQL_CATALOG: &str = "lake";
@@ -30,42 +34,31 @@ pub enum AsOf {
 impl Lake {
     /// A session with every table registered under `signalweave`, reading current snapshots.
     pub async fn session_context(&self) -> Result<SessionContext> {
-        let ctx = new_context();
-        let provider = IcebergCatalogProvider::try_new(self.catalog())
-            .await
-            .map_err(|e| LakeError::iceberg("register the lake with DataFusion", e))?;
-        ctx.register_catalog(SQL_CATALOG, Arc::new(provider));
-        Ok(ctx)
+        let choices = LakeTable::ALL.map(|t| (t, SnapshotChoice::Current));
+        self.context_with(&choices)
     }
 
     /// A session whose tables are pinned as `as_of` says.
     pub async fn session_context_as_of(&self, as_of: AsOf) -> Result<SessionContext> {
-        let ctx = new_context();
-        let schema = Arc::new(MemorySchemaProvider::new());
+        let mut choices = Vec::new();
         let mut pinned_any = false;
         for table in LakeTable::ALL {
-            let t = self.table(table).await?;
-            let snapshot = match as_of {
-                AsOf::Timestamp(ms) => self.snapshot_as_of(table, ms).await?,
-                AsOf::Snapshot(id) => t
-                    .metadata()
-                    .snapshot_by_id(id)
-                    .map(|s| s.snapshot_id())
-                    .or(t.metadata().current_snapshot_id()),
-            };
-            pinned_any |= matches!(as_of, AsOf::Snapshot(id) if snapshot == Some(id));
-            let provider = match snapshot {
-                Some(id) => IcebergStaticTableProvider::try_new_from_table_snapshot(t, id).await,
-                None if matches!(as_of, AsOf::Timestamp(_)) => {
-                    // The table had no snapshot yet at that moment: it reads as empty.
-                    IcebergStaticTableProvider::try_new_from_table(empty_view(t)?).await
+            let choice = match as_of {
+                AsOf::Timestamp(ms) => match self.snapshot_as_of(table, ms).await? {
+                    Some(id) => SnapshotChoice::At(id),
+                    None => SnapshotChoice::Empty,
+                },
+                AsOf::Snapshot(id) => {
+                    let t = self.table(table).await?;
+                    if t.metadata().snapshot_by_id(id).is_some() {
+                        pinned_any = true;
+                        SnapshotChoice::At(id)
+                    } else {
+                        SnapshotChoice::Current
+                    }
                 }
-                None => IcebergStaticTableProvider::try_new_from_table(t).await,
-            }
-            .map_err(|e| LakeError::iceberg(format!("pin {}", table.name()), e))?;
-            schema
-                .register_table(table.name().to_string(), Arc::new(provider))
-                .map_err(|e| LakeError::datafusion("register table", e))?;
+            };
+            choices.push((table, choice));
         }
         if let AsOf::Snapshot(id) = as_of
             && !pinned_any
@@ -75,34 +68,47 @@ impl Lake {
                 format!("no table retains snapshot {id}"),
             ));
         }
+        self.context_with(&choices)
+    }
+
+    fn context_with(&self, choices: &[(LakeTable, SnapshotChoice)]) -> Result<SessionContext> {
+        let config = SessionConfig::new()
+            .with_default_catalog_and_schema(SQL_CATALOG, NAMESPACE)
+            .with_information_schema(true);
+        let ctx = SessionContext::new_with_config(config);
+        if let Warehouse::S3(s3) = &self.config().warehouse {
+            let store = object_store::aws::AmazonS3Builder::new()
+                .with_bucket_name(&s3.bucket)
+                .with_region(&s3.region)
+                .with_access_key_id(&s3.access_key_id)
+                .with_secret_access_key(&s3.secret_access_key)
+                .with_virtual_hosted_style_request(!s3.path_style)
+                .with_allow_http(true);
+            let store = match &s3.endpoint {
+                Some(e) => store.with_endpoint(e),
+                None => store,
+            }
+            .build()
+            .map_err(|e| LakeError::new(ErrorKind::Config, format!("S3 object store: {e}")))?;
+            let url = url::Url::parse(&format!("s3://{}", s3.bucket))
+                .map_err(|e| LakeError::new(ErrorKind::Config, format!("bucket URL: {e}")))?;
+            ctx.runtime_env()
+                .register_object_store(&url, Arc::new(store));
+        }
+        let schema = Arc::new(MemorySchemaProvider::new());
+        for (table, choice) in choices {
+            schema
+                .register_table(
+                    table.name().to_string(),
+                    Arc::new(LakeTableProvider::new(self.clone(), *table, *choice)),
+                )
+                .map_err(|e| LakeError::datafusion("register table", e))?;
+        }
         let catalog = MemoryCatalogProvider::new();
-        datafusion::catalog::CatalogProvider::register_schema(&catalog, NAMESPACE, schema)
+        catalog
+            .register_schema(NAMESPACE, schema)
             .map_err(|e| LakeError::datafusion("register schema", e))?;
         ctx.register_catalog(SQL_CATALOG, Arc::new(catalog));
         Ok(ctx)
     }
-}
-
-fn new_context() -> SessionContext {
-    let config = SessionConfig::new()
-        .with_default_catalog_and_schema(SQL_CATALOG, NAMESPACE)
-        .with_information_schema(true);
-    SessionContext::new_with_config(config)
-}
-
-fn empty_view(t: iceberg::table::Table) -> Result<iceberg::table::Table> {
-    let mut metadata = (*t.metadata_ref()).clone();
-    metadata = iceberg::spec::TableMetadataBuilder::new_from_metadata(metadata, None)
-        .remove_ref(iceberg::spec::MAIN_BRANCH)
-        .build()
-        .map_err(|e| LakeError::iceberg("empty view", e))?
-        .metadata;
-    iceberg::table::Table::builder()
-        .metadata(metadata)
-        .identifier(t.identifier().clone())
-        .file_io(t.file_io().clone())
-        .readonly(true)
-        .runtime(iceberg::Runtime::try_current().map_err(|e| LakeError::iceberg("runtime", e))?)
-        .build()
-        .map_err(|e| LakeError::iceberg("empty view", e))
 }
