@@ -37,4 +37,12 @@ eval "$pg_env"
 export SW_REQUIRE_SERVICES=1
 
 echo "== tests"
-cargo test --workspace --locked
+log=$(mktemp)
+set +e
+cargo test --workspace --locked 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line over every test binary (the last cargo line is often a doc-test run of 0).
+awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"
+rm -f "$log"
+exit "$status"

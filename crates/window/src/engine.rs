@@ -244,6 +244,10 @@ fn str_col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a StringArray> {
     })
 }
 
+fn str_cols<'a>(batch: &'a RecordBatch, names: &[String]) -> Result<Vec<&'a StringArray>> {
+    names.iter().map(|c| str_col(batch, c)).collect()
+}
+
 impl WindowEngine {
     /// A new, empty engine for `spec`.
     pub fn new(spec: Arc<JobSpec>, config: EngineConfig) -> Result<Self> {
@@ -352,12 +356,7 @@ impl WindowEngine {
 
     fn columns<'a>(&self, batch: &'a RecordBatch) -> Result<Columns<'a>> {
         let spec = &self.spec;
-        let keys = spec
-            .key
-            .columns
-            .iter()
-            .map(|c| str_col(batch, c))
-            .collect::<Result<Vec<_>>>()?;
+        let keys = str_cols(batch, &spec.key.columns)?;
         let time = col(batch, &spec.time.event_time_column)?
             .as_primitive_opt::<TimestampMicrosecondType>()
             .ok_or_else(|| {
@@ -369,12 +368,7 @@ impl WindowEngine {
                     ),
                 )
             })?;
-        let identity = spec
-            .dedup
-            .identity
-            .iter()
-            .map(|c| str_col(batch, c))
-            .collect::<Result<Vec<_>>>()?;
+        let identity = str_cols(batch, &spec.dedup.identity)?;
         let needs_type = self.event_type_filter.is_some()
             || spec.aggregates.iter().any(|a| a.event_type.is_some());
         let event_type = if needs_type {
