@@ -213,6 +213,9 @@ pub struct WindowEngine {
     pub(crate) free: Vec<u32>,
     pub(crate) windows: FxHashMap<(u32, i64), WindowMeta>,
     pub(crate) sessions: FxHashMap<u32, BTreeMap<i64, Session>>,
+    /// Per key, the end of the latest retired session: records before it are late, so a
+    /// retired session is never recreated.
+    pub(crate) session_frontier: FxHashMap<u32, i64>,
     pub(crate) timers: BTreeMap<i64, Vec<Timer>>,
     pub(crate) dirty_panes: Vec<(u32, i64)>,
     pub(crate) early_queue: Vec<(u32, i64)>,
@@ -293,6 +296,7 @@ impl WindowEngine {
             free: Vec::new(),
             windows: FxHashMap::default(),
             sessions: FxHashMap::default(),
+            session_frontier: FxHashMap::default(),
             timers: BTreeMap::new(),
             dirty_panes: Vec::new(),
             early_queue: Vec::new(),
@@ -465,15 +469,30 @@ impl WindowEngine {
                     if i > 0 {
                         buf.push('|');
                     }
-                    buf.push_str(k.value(row));
+                    // Escaped, so ("a|b", "c") and ("a", "b|c") stay different keys.
+                    for ch in k.value(row).chars() {
+                        if ch == '|' || ch == '\\' {
+                            buf.push('\\');
+                        }
+                        buf.push(ch);
+                    }
                 }
                 let id = self.intern(&buf);
                 self.key_buf = buf;
                 id
             };
-            // Dedup.
+            // Dedup. A record older than the horizon is late whatever its window: the
+            // horizon is what makes dedup exact (a session can outlive it).
             let expires = t.saturating_add(self.horizon_us);
-            if expires > wm {
+            if expires <= wm {
+                outcome.late.push(LateRecord {
+                    row: row as u32,
+                    reason: LateReason::BeyondAllowedLateness,
+                    watermark: wm,
+                });
+                continue;
+            }
+            if cols.identity.iter().all(|c| !c.is_null(row)) {
                 let id = identity_hash(&cols.identity, row);
                 let kg = self.key_group[key_id as usize];
                 // An identity held past its horizon (not yet swept) counts as absent, so
@@ -574,7 +593,7 @@ impl WindowEngine {
                 self.panes
                     .insert((key, pane), PaneRef { slab, dirty: true });
                 self.dirty_panes.push((key, pane));
-                for w in (pane - self.panes_per_window + 1)..=pane {
+                for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
                     if self.windows.contains_key(&(key, w)) {
                         continue;
                     }
@@ -621,6 +640,9 @@ impl WindowEngine {
         let gap = self.spec.window.span_us();
         let layout = Arc::clone(&self.layout);
         let lateness = self.lateness_us;
+        if self.session_frontier.get(&key).is_some_and(|f| t < *f) {
+            return false;
+        }
         let sessions = self.sessions.entry(key).or_default();
         let mut start = t;
         let mut end = t.saturating_add(gap);
@@ -731,7 +753,7 @@ impl WindowEngine {
             if let Some(p) = self.panes.get_mut(&(key, pane)) {
                 p.dirty = false;
             }
-            for w in (pane - self.panes_per_window + 1)..=pane {
+            for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
                 if let Some(meta) = self.windows.get_mut(&(key, w))
                     && !meta.dirty
                 {
@@ -827,6 +849,8 @@ impl WindowEngine {
                             self.sessions.remove(&key);
                         }
                     }
+                    let frontier = self.session_frontier.entry(key).or_insert(end);
+                    *frontier = (*frontier).max(end);
                 }
                 _ => {}
             }
@@ -878,7 +902,7 @@ impl WindowEngine {
             let bounds = self.window_bounds(start);
             let mut acc = self.layout.empty();
             let stride = self.layout.stride;
-            for p in start..start + self.panes_per_window {
+            for p in start..start.saturating_add(self.panes_per_window) {
                 if let Some(pane) = self.panes.get(&(key, p)) {
                     let base = pane.slab as usize * stride;
                     self.layout.merge(&mut acc, &self.slab[base..base + stride]);

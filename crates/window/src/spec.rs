@@ -326,13 +326,18 @@ impl JobSpec {
         if self.key.columns.is_empty() {
             return Err(invalid("key.columns", "needs at least one column"));
         }
+        // Durations are used in microseconds: anything below 1 µs is zero to the engine.
+        let positive = |d: Duration| micros(d) > 0;
         match self.window {
-            WindowSpec::Tumbling { size } if size.is_zero() => {
-                return Err(invalid("window.size", "must be positive"));
+            WindowSpec::Tumbling { size } if !positive(size) => {
+                return Err(invalid("window.size", "must be at least 1 µs"));
             }
             WindowSpec::Sliding { size, slide } => {
-                if slide.is_zero() || size.is_zero() {
-                    return Err(invalid("window.slide", "size and slide must be positive"));
+                if !positive(slide) || !positive(size) {
+                    return Err(invalid(
+                        "window.slide",
+                        "size and slide must be at least 1 µs",
+                    ));
                 }
                 if micros(size) % micros(slide) != 0 {
                     return Err(invalid(
@@ -349,8 +354,8 @@ impl JobSpec {
                 }
             }
             WindowSpec::Session { gap } => {
-                if gap.is_zero() {
-                    return Err(invalid("window.gap", "must be positive"));
+                if !positive(gap) {
+                    return Err(invalid("window.gap", "must be at least 1 µs"));
                 }
                 if self.triggers.early_every.is_some() {
                     return Err(invalid(
@@ -361,10 +366,13 @@ impl JobSpec {
             }
             WindowSpec::Tumbling { .. } => {}
         }
+        if !positive(self.time.idle_timeout) {
+            return Err(invalid("time.idle_timeout", "must be at least 1 µs"));
+        }
         if let Some(every) = self.triggers.early_every
-            && every.is_zero()
+            && !positive(every)
         {
-            return Err(invalid("triggers.early_every", "must be positive"));
+            return Err(invalid("triggers.early_every", "must be at least 1 µs"));
         }
         if self.dedup.identity.is_empty() {
             return Err(invalid("dedup.identity", "needs at least one column"));

@@ -29,6 +29,7 @@ struct KeyState {
     panes: Vec<(i64, Vec<i64>, bool)>,
     windows: Vec<(i64, WindowMeta)>,
     sessions: Vec<(i64, Session)>,
+    session_frontier: Option<i64>,
 }
 
 /// Version 1 of the serialized state.
@@ -88,6 +89,7 @@ impl WindowEngine {
                     panes: Vec::new(),
                     windows: Vec::new(),
                     sessions: Vec::new(),
+                    session_frontier: self.session_frontier.get(&(id as u32)).copied(),
                 });
             }
         }
@@ -174,8 +176,9 @@ impl WindowEngine {
     }
 
     /// Adds the keys of a snapshot to this engine (for rescaling: restore several key-group
-    /// ranges into one engine). The keys must not already be held. The watermark becomes
-    /// the smaller of the two, so no window of either part fires early.
+    /// ranges of one checkpoint into one engine). The keys must not already be held, and
+    /// the parts must share the engine's watermark (parts of one checkpoint do); otherwise
+    /// nothing changes and the merge fails.
     pub fn merge_snapshot(&mut self, bytes: &[u8]) -> Result<()> {
         let bad = |m: String| WindowError::new(ErrorKind::InvalidInput, m);
         if bytes.len() < 8 || &bytes[..4] != MAGIC {
@@ -202,15 +205,34 @@ impl WindowEngine {
             )));
         }
         let fresh = self.key_names.is_empty() && self.watermarks.current() == i64::MIN;
+        if !fresh && state.watermarks.current() != self.watermarks.current() {
+            // A part behind the others would reopen windows the others already closed, and
+            // emit versions they already used: parts must come from one checkpoint.
+            return Err(bad(format!(
+                "cannot merge a state at watermark {} into an engine at {}: merge parts of one checkpoint",
+                state.watermarks.current(),
+                self.watermarks.current()
+            )));
+        }
         let stride = self.layout.stride;
-        let mut ids = Vec::with_capacity(state.keys.len());
-        for k in state.keys {
+        // Validate everything before changing anything.
+        for k in &state.keys {
             if self.key_ids.contains_key(k.name.as_str()) {
                 return Err(bad(format!(
                     "key `{}` is already held by this engine",
                     k.name
                 )));
             }
+            let widths_ok = k.panes.iter().all(|(_, acc, _)| acc.len() == stride)
+                && k.sessions.iter().all(|(_, s)| s.acc.len() == stride);
+            if !widths_ok {
+                return Err(bad(
+                    "state accumulators do not match the job's aggregates".into()
+                ));
+            }
+        }
+        let mut ids = Vec::with_capacity(state.keys.len());
+        for k in state.keys {
             let id = self.key_names.len() as u32;
             let kg = self.key_group_of(&k.name);
             self.key_ids.insert(k.name.as_str().into(), id);
@@ -218,11 +240,6 @@ impl WindowEngine {
             self.key_group.push(kg);
             ids.push(id);
             for (pane, acc, dirty) in k.panes {
-                if acc.len() != stride {
-                    return Err(bad(
-                        "state accumulators do not match the job's aggregates".into()
-                    ));
-                }
                 let slab = (self.slab.len() / stride) as u32;
                 self.slab.extend_from_slice(&acc);
                 self.panes.insert((id, pane), PaneRef { slab, dirty });
@@ -233,6 +250,9 @@ impl WindowEngine {
             if !k.sessions.is_empty() {
                 let map: BTreeMap<i64, Session> = k.sessions.into_iter().collect();
                 self.sessions.insert(id, map);
+            }
+            if let Some(f) = k.session_frontier {
+                self.session_frontier.insert(id, f);
             }
         }
         let id = |k: u32| ids.get(k as usize).copied();
@@ -258,8 +278,6 @@ impl WindowEngine {
             self.watermarks = state.watermarks;
             self.dedup_swept_at = state.dedup_swept_at;
             self.next_early_at = state.next_early_at;
-        } else if state.watermarks.current() < self.watermarks.current() {
-            self.watermarks = state.watermarks;
         }
         Ok(())
     }

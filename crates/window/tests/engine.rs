@@ -257,3 +257,129 @@ fn shipped_jobs_parse() {
         assert_eq!(spec.name, job);
     }
 }
+
+#[test]
+fn a_retired_session_is_never_recreated() {
+    let spec = spec("kind = \"session\"\ngap = \"5m\"", "0s", "10m", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(&mut e, &[rec("a", 0, "1", 1)], 0, &mut out);
+    step(&mut e, &[rec("b", 15 * M, "x", 1)], S, &mut out); // watermark 15 min: [0, 5m) retires
+    step(&mut e, &[], 2 * S, &mut out);
+    let mut late = Run::default();
+    step(&mut e, &[rec("a", 4 * M, "2", 1)], 3 * S, &mut late);
+    assert_eq!(
+        late.late.len(),
+        1,
+        "a record inside the retired session's span is late"
+    );
+    out.rows.extend(late.rows);
+    out.rows.extend(e.finish(4 * S));
+    let f = finals(&out.rows);
+    assert_eq!(f.keys().filter(|k| k.0 == "a").count(), 1);
+}
+
+#[test]
+fn a_long_session_never_counts_a_replayed_record_twice() {
+    // Horizon = 10 min lateness + 5 min gap + 1 h replay; the session lasts 3 h.
+    let spec = spec("kind = \"session\"\ngap = \"5m\"", "0s", "10m", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    for m in 0..180 {
+        step(
+            &mut e,
+            &[rec("a", m * M, &format!("e{m}"), 1)],
+            m * S,
+            &mut out,
+        );
+    }
+    let mut replay = Run::default();
+    step(&mut e, &[rec("a", 60 * M, "e60", 1)], 181 * S, &mut replay);
+    assert_eq!(
+        replay.duplicates + replay.late.len() as u64,
+        1,
+        "either a duplicate or late, never counted"
+    );
+    out.rows.extend(replay.rows);
+    out.rows.extend(e.finish(182 * S));
+    let f = finals(&out.rows);
+    assert_eq!(f.values().map(|(n, _)| *n).sum::<i64>(), 180);
+}
+
+#[test]
+fn merging_parts_of_different_checkpoints_is_refused_and_changes_nothing() {
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "2m", None);
+    let mut a = engine(&spec);
+    let mut b = engine(&spec);
+    let mut out = Run::default();
+    step(&mut a, &[rec("a", 10 * M, "1", 1)], 0, &mut out);
+    step(&mut b, &[rec("b", 2 * M, "2", 1)], 0, &mut out);
+    let before = a.snapshot().unwrap();
+    let err = a.merge_snapshot(&b.snapshot().unwrap()).unwrap_err();
+    assert!(
+        err.message().contains("one checkpoint"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(a.snapshot().unwrap(), before);
+}
+
+#[test]
+fn multi_column_keys_do_not_collide() {
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../jobs/market_aggregates.toml"
+    ))
+    .unwrap();
+    let spec = std::sync::Arc::new(
+        JobSpec::from_toml(&base.replace(
+            "columns = [\"market_id\"]",
+            "columns = [\"market_id\", \"customer_id\"]",
+        ))
+        .unwrap(),
+    );
+    let mut e = engine(&spec);
+    let mut b = signalweave_model::EventBatchBuilder::with_capacity(2);
+    let template = signalweave_fixtures::Generator::new(Default::default())
+        .find_map(|r| match r {
+            signalweave_fixtures::Record::Event(e) if e.event_type == "order_placed" => Some(e),
+            _ => None,
+        })
+        .unwrap();
+    for (i, (m, c)) in [("a|b", "c"), ("a", "b|c")].into_iter().enumerate() {
+        let mut ev = template.clone();
+        ev.event_id = signalweave_model::EventId::new(format!("k{i}"));
+        ev.market_id = Some(m.into());
+        ev.customer_id = Some(c.into());
+        b.push(&ev);
+    }
+    e.process_batch(&b.finish().unwrap(), "src", 0).unwrap();
+    let rows = e.finish(S);
+    let keys: std::collections::BTreeSet<_> = rows.iter().map(|r| r.key.clone()).collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+}
+
+#[test]
+fn sub_microsecond_durations_are_refused() {
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../jobs/market_aggregates.toml"
+    ))
+    .unwrap();
+    for (from, to, field) in [
+        ("size = \"1m\"", "size = \"500ns\"", "window.size"),
+        (
+            "idle_timeout = \"1m\"",
+            "idle_timeout = \"0s\"",
+            "time.idle_timeout",
+        ),
+        (
+            "early_every = \"20s\"",
+            "early_every = \"10ns\"",
+            "triggers.early_every",
+        ),
+    ] {
+        let err = JobSpec::from_toml(&base.replace(from, to)).unwrap_err();
+        assert!(err.message().contains(field), "{field}: {}", err.message());
+    }
+}
