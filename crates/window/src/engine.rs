@@ -65,6 +65,15 @@ pub(crate) struct Layout {
     pub stride: usize,
     /// For each aggregate: (function, first slot).
     pub aggs: Vec<(AggregateFunction, usize)>,
+    /// How each slot combines: a flat table, so merging is one tight loop.
+    ops: Vec<SlotOp>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotOp {
+    Add,
+    Min,
+    Max,
 }
 
 const EVENTS: usize = 0;
@@ -73,17 +82,24 @@ const LAST: usize = 2;
 
 impl Layout {
     fn new(spec: &JobSpec) -> Self {
-        let mut next = 3;
         let mut aggs = Vec::new();
+        let mut ops = vec![SlotOp::Add, SlotOp::Min, SlotOp::Max];
         for a in &spec.aggregates {
-            aggs.push((a.function, next));
-            next += if a.function == AggregateFunction::Count {
-                1
-            } else {
-                2
-            };
+            aggs.push((a.function, ops.len()));
+            match a.function {
+                AggregateFunction::Count => ops.push(SlotOp::Add),
+                AggregateFunction::Sum | AggregateFunction::Avg => {
+                    ops.extend([SlotOp::Add, SlotOp::Add])
+                }
+                AggregateFunction::Min => ops.extend([SlotOp::Min, SlotOp::Add]),
+                AggregateFunction::Max => ops.extend([SlotOp::Max, SlotOp::Add]),
+            }
         }
-        Self { stride: next, aggs }
+        Self {
+            stride: ops.len(),
+            aggs,
+            ops,
+        }
     }
 
     pub fn empty(&self) -> Vec<i64> {
@@ -102,26 +118,12 @@ impl Layout {
 
     /// Merges `src` into `dst`.
     pub fn merge(&self, dst: &mut [i64], src: &[i64]) {
-        dst[EVENTS] += src[EVENTS];
-        dst[FIRST] = dst[FIRST].min(src[FIRST]);
-        dst[LAST] = dst[LAST].max(src[LAST]);
-        for (f, s) in &self.aggs {
-            let s = *s;
-            match f {
-                AggregateFunction::Count => dst[s] += src[s],
-                AggregateFunction::Sum | AggregateFunction::Avg => {
-                    dst[s] = dst[s].wrapping_add(src[s]);
-                    dst[s + 1] += src[s + 1];
-                }
-                AggregateFunction::Min => {
-                    dst[s] = dst[s].min(src[s]);
-                    dst[s + 1] += src[s + 1];
-                }
-                AggregateFunction::Max => {
-                    dst[s] = dst[s].max(src[s]);
-                    dst[s + 1] += src[s + 1];
-                }
-            }
+        for ((d, s), op) in dst.iter_mut().zip(src).zip(&self.ops) {
+            *d = match op {
+                SlotOp::Add => d.wrapping_add(*s),
+                SlotOp::Min => (*d).min(*s),
+                SlotOp::Max => (*d).max(*s),
+            };
         }
     }
 
@@ -433,11 +435,34 @@ impl WindowEngine {
             .map(|a| a.event_type.as_deref())
             .collect();
         let mut delta = vec![0i64; self.layout.stride];
+        // Event types the job names, resolved once per row to a small index.
+        let mut type_names: Vec<&str> =
+            spec.source.event_types.iter().map(String::as_str).collect();
+        for t in agg_type.iter().flatten() {
+            if !type_names.contains(t) {
+                type_names.push(t);
+            }
+        }
+        let allowed: Vec<bool> = type_names
+            .iter()
+            .map(|t| {
+                self.event_type_filter
+                    .as_ref()
+                    .is_none_or(|f| f.contains(*t))
+            })
+            .collect();
+        let agg_type_ix: Vec<Option<usize>> = agg_type
+            .iter()
+            .map(|t| t.and_then(|t| type_names.iter().position(|n| *n == t)))
+            .collect();
         for row in 0..batch.num_rows() {
-            let event_type = cols.event_type.map(|c| c.value(row));
-            if let (Some(filter), Some(t)) = (&self.event_type_filter, event_type)
-                && !filter.contains(t)
-            {
+            let type_ix = cols.event_type.and_then(|c| {
+                let v = c.value(row);
+                type_names
+                    .iter()
+                    .position(|n| n.len() == v.len() && *n == v)
+            });
+            if self.event_type_filter.is_some() && !type_ix.is_some_and(|i| allowed[i]) {
                 outcome.filtered += 1;
                 continue;
             }
@@ -497,11 +522,18 @@ impl WindowEngine {
                 let kg = self.key_group[key_id as usize];
                 // An identity held past its horizon (not yet swept) counts as absent, so
                 // classification never depends on when the sweep ran.
-                if self.dedup.get(&id).is_some_and(|(held, _)| *held > wm) {
-                    outcome.duplicates += 1;
-                    continue;
+                match self.dedup.entry(id) {
+                    std::collections::hash_map::Entry::Occupied(mut held) => {
+                        if held.get().0 > wm {
+                            outcome.duplicates += 1;
+                            continue;
+                        }
+                        held.insert((expires, kg));
+                    }
+                    std::collections::hash_map::Entry::Vacant(slot) => {
+                        slot.insert((expires, kg));
+                    }
                 }
-                self.dedup.insert(id, (expires, kg));
             }
             // The record's contribution.
             delta.copy_from_slice(&self.empty_acc);
@@ -509,9 +541,7 @@ impl WindowEngine {
             delta[FIRST] = t;
             delta[LAST] = t;
             for (i, (f, s)) in layout.aggs.iter().enumerate() {
-                if let Some(want) = agg_type[i]
-                    && event_type != Some(want)
-                {
+                if agg_type[i].is_some() && agg_type_ix[i] != type_ix {
                     continue;
                 }
                 let value = match cols.agg_inputs[i] {
