@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use arrow::array::{Array, AsArray, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Int64Type, TimestampMicrosecondType};
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
@@ -227,7 +227,6 @@ pub struct WindowEngine {
     pub(crate) dedup_swept_at: i64,
     pub(crate) watermarks: Watermarks,
     pub(crate) next_early_at: Option<i64>,
-    pub(crate) event_type_filter: Option<FxHashSet<Box<str>>>,
     key_buf: String,
 }
 
@@ -268,13 +267,6 @@ impl WindowEngine {
             WindowSpec::Sliding { size, slide } => (micros(slide), micros(size) / micros(slide)),
             WindowSpec::Session { .. } => (1, 1),
         };
-        let event_type_filter = (!spec.source.event_types.is_empty()).then(|| {
-            spec.source
-                .event_types
-                .iter()
-                .map(|t| t.as_str().into())
-                .collect()
-        });
         let layout = Arc::new(Layout::new(&spec));
         Ok(Self {
             empty_acc: layout.empty(),
@@ -307,7 +299,6 @@ impl WindowEngine {
             dedup: FxHashMap::default(),
             dedup_swept_at: i64::MIN,
             next_early_at: None,
-            event_type_filter,
             key_buf: String::new(),
         })
     }
@@ -375,7 +366,7 @@ impl WindowEngine {
                 )
             })?;
         let identity = str_cols(batch, &spec.dedup.identity)?;
-        let needs_type = self.event_type_filter.is_some()
+        let needs_type = !spec.source.event_types.is_empty()
             || spec.aggregates.iter().any(|a| a.event_type.is_some());
         let event_type = if needs_type {
             Some(str_col(batch, "event_type")?)
@@ -443,14 +434,9 @@ impl WindowEngine {
                 type_names.push(t);
             }
         }
-        let allowed: Vec<bool> = type_names
-            .iter()
-            .map(|t| {
-                self.event_type_filter
-                    .as_ref()
-                    .is_none_or(|f| f.contains(*t))
-            })
-            .collect();
+        // The job's own event types come first: a row passes the filter when its type is
+        // one of them (or when the job reads every type).
+        let filtered_types = spec.source.event_types.len();
         let agg_type_ix: Vec<Option<usize>> = agg_type
             .iter()
             .map(|t| t.and_then(|t| type_names.iter().position(|n| *n == t)))
@@ -462,7 +448,7 @@ impl WindowEngine {
                     .iter()
                     .position(|n| n.len() == v.len() && *n == v)
             });
-            if self.event_type_filter.is_some() && !type_ix.is_some_and(|i| allowed[i]) {
+            if filtered_types > 0 && type_ix.is_none_or(|i| i >= filtered_types) {
                 outcome.filtered += 1;
                 continue;
             }

@@ -206,11 +206,7 @@ fn null_keys_go_to_the_late_output_with_their_reason() {
 
 #[test]
 fn bad_specs_name_the_field() {
-    let base = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../jobs/market_aggregates.toml"
-    ))
-    .unwrap();
+    let base = job_text("market_aggregates");
     for (from, to, field) in [
         ("size = \"1m\"", "size = \"0s\"", "window.size"),
         (
@@ -326,11 +322,7 @@ fn merging_parts_of_different_checkpoints_is_refused_and_changes_nothing() {
 
 #[test]
 fn multi_column_keys_do_not_collide() {
-    let base = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../jobs/market_aggregates.toml"
-    ))
-    .unwrap();
+    let base = job_text("market_aggregates");
     let spec = std::sync::Arc::new(
         JobSpec::from_toml(&base.replace(
             "columns = [\"market_id\"]",
@@ -361,11 +353,7 @@ fn multi_column_keys_do_not_collide() {
 
 #[test]
 fn sub_microsecond_durations_are_refused() {
-    let base = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../jobs/market_aggregates.toml"
-    ))
-    .unwrap();
+    let base = job_text("market_aggregates");
     for (from, to, field) in [
         ("size = \"1m\"", "size = \"500ns\"", "window.size"),
         (

@@ -169,3 +169,12 @@ pub fn assert_versions_strictly_increase(rows: &[OutputRow]) {
         );
     }
 }
+
+/// The text of a shipped job spec, for tests that derive variants of it.
+pub fn job_text(job: &str) -> String {
+    std::fs::read_to_string(format!(
+        "{}/../../jobs/{job}.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
+}
