@@ -6,6 +6,7 @@
 //! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
 
 mod bench;
+mod ingest;
 #[macro_use]
 mod output;
 
@@ -76,6 +77,14 @@ enum Command {
     /// Generate deterministic fixture events.
     #[command(subcommand)]
     Fixtures(FixturesCommand),
+    /// Run the ingestion gateway (HTTP) on the lake, until SIGTERM or SIGINT.
+    Gateway(ingest::GatewayArgs),
+    /// Send synthetic events to a gateway at a target rate; report acknowledgments,
+    /// latency percentiles, rejections and throttles.
+    Produce(ingest::ProduceArgs),
+    /// Make or hash gateway API keys.
+    #[command(subcommand)]
+    Key(ingest::KeyCommand),
     /// Run a benchmark (release builds only give meaningful figures).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -392,6 +401,14 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
             eprintln!("wrote {} records to {}", figures.records, out.display());
         }
+        Command::Gateway(args) => {
+            let lake = open_lake(&cli).await?;
+            let registry = SchemaRegistry::load_dir(&cli.schemas)
+                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            return ingest::run_gateway(args, lake, registry).await;
+        }
+        Command::Produce(args) => return ingest::run_produce(args).await,
+        Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;
             bench::run(cmd, config).await?;
@@ -404,6 +421,12 @@ fn exit_code(err: &anyhow::Error) -> u8 {
     let kind = err
         .chain()
         .find_map(|e| e.downcast_ref::<LakeError>().map(LakeError::kind))
+        .or_else(|| {
+            err.chain().find_map(|e| {
+                e.downcast_ref::<signalweave_gateway::GatewayError>()
+                    .map(|e| e.kind())
+            })
+        })
         .or_else(|| {
             err.chain().find_map(|e| {
                 e.downcast_ref::<signalweave_model::Error>()

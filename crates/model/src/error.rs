@@ -110,6 +110,20 @@ pub enum ReasonCode {
     TenantMismatch,
     /// The producer is not allowed to speak for the tenant.
     ProducerNotAllowed,
+    /// The request carries no bearer token.
+    MissingCredentials,
+    /// The bearer token is not a known API key.
+    InvalidCredentials,
+    /// The request's content type is not JSON or NDJSON.
+    UnsupportedMediaType,
+    /// The request's content encoding is not identity, gzip or zstd, or does not decode.
+    UnsupportedEncoding,
+    /// The request body (compressed or decoded) is larger than the limit.
+    BodyTooLarge,
+    /// The request holds more events than the batch limit.
+    BatchTooLarge,
+    /// The body is not one JSON object, a JSON array of objects, or NDJSON.
+    MalformedBody,
 }
 
 impl ReasonCode {
@@ -130,6 +144,13 @@ impl ReasonCode {
             ReasonCode::FutureEventTime => "future_event_time",
             ReasonCode::TenantMismatch => "tenant_mismatch",
             ReasonCode::ProducerNotAllowed => "producer_not_allowed",
+            ReasonCode::MissingCredentials => "missing_credentials",
+            ReasonCode::InvalidCredentials => "invalid_credentials",
+            ReasonCode::UnsupportedMediaType => "unsupported_media_type",
+            ReasonCode::UnsupportedEncoding => "unsupported_encoding",
+            ReasonCode::BodyTooLarge => "body_too_large",
+            ReasonCode::BatchTooLarge => "batch_too_large",
+            ReasonCode::MalformedBody => "malformed_body",
         }
     }
 }

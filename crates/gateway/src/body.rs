@@ -1,0 +1,232 @@
+//! Request bodies: content encodings (identity, gzip, zstd) decoded within a limit, and
+//! the three accepted shapes split into one byte slice per event.
+
+use std::io::Read;
+
+use serde_json::value::RawValue;
+use signalweave_model::{ReasonCode, Rejection};
+
+/// How the events of a body are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFormat {
+    /// `application/json`: one event object, or an array of them.
+    Json,
+    /// `application/x-ndjson` (or `application/jsonl`): one event per line.
+    Ndjson,
+}
+
+/// The body format named by a `Content-Type` header.
+pub fn body_format(content_type: Option<&str>) -> Result<BodyFormat, Rejection> {
+    let Some(ct) = content_type else {
+        return Err(Rejection::new(
+            ReasonCode::UnsupportedMediaType,
+            "Content-Type is required: application/json or application/x-ndjson",
+        ));
+    };
+    let essence = ct.split(';').next().unwrap_or_default().trim();
+    match essence.to_ascii_lowercase().as_str() {
+        "application/json" => Ok(BodyFormat::Json),
+        "application/x-ndjson"
+        | "application/ndjson"
+        | "application/jsonl"
+        | "application/json-seq" => Ok(BodyFormat::Ndjson),
+        other => Err(Rejection::new(
+            ReasonCode::UnsupportedMediaType,
+            format!("Content-Type `{other}` is not application/json or application/x-ndjson"),
+        )),
+    }
+}
+
+fn too_large(limit: usize) -> Rejection {
+    Rejection::new(
+        ReasonCode::BodyTooLarge,
+        format!("the decoded body exceeds {limit} bytes"),
+    )
+}
+
+fn read_limited(mut reader: impl Read, limit: usize, what: &str) -> Result<Vec<u8>, Rejection> {
+    let mut out = Vec::new();
+    let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+    (&mut reader).take(cap).read_to_end(&mut out).map_err(|e| {
+        Rejection::new(
+            ReasonCode::UnsupportedEncoding,
+            format!("the {what} body does not decode: {e}"),
+        )
+    })?;
+    if out.len() > limit {
+        return Err(too_large(limit));
+    }
+    Ok(out)
+}
+
+/// Decodes `body` per its `Content-Encoding`, refusing anything that would decode to more
+/// than `max_decoded` bytes (so a small compressed bomb cannot exhaust memory).
+pub fn decode(
+    encoding: Option<&str>,
+    body: bytes::Bytes,
+    max_decoded: usize,
+) -> Result<bytes::Bytes, Rejection> {
+    let encoding = encoding.map(|e| e.trim().to_ascii_lowercase());
+    match encoding.as_deref() {
+        None | Some("") | Some("identity") => {
+            if body.len() > max_decoded {
+                return Err(too_large(max_decoded));
+            }
+            Ok(body)
+        }
+        Some("gzip") | Some("x-gzip") => {
+            let out = read_limited(flate2::read::GzDecoder::new(&body[..]), max_decoded, "gzip")?;
+            Ok(out.into())
+        }
+        Some("zstd") => {
+            let decoder = zstd::stream::read::Decoder::new(&body[..]).map_err(|e| {
+                Rejection::new(
+                    ReasonCode::UnsupportedEncoding,
+                    format!("the zstd body does not decode: {e}"),
+                )
+            })?;
+            Ok(read_limited(decoder, max_decoded, "zstd")?.into())
+        }
+        Some(other) => Err(Rejection::new(
+            ReasonCode::UnsupportedEncoding,
+            format!("Content-Encoding `{other}` is not identity, gzip or zstd"),
+        )),
+    }
+}
+
+/// Splits a decoded body into one slice per event. A JSON body that is not an object or
+/// an array of values is refused as a whole; an NDJSON body is split by line, so one bad
+/// line does not spoil the others. Blank lines are skipped.
+pub fn split(format: BodyFormat, body: &[u8], max_events: usize) -> Result<Vec<&[u8]>, Rejection> {
+    let events: Vec<&[u8]> = match format {
+        BodyFormat::Ndjson => body
+            .split(|b| *b == b'\n')
+            .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+            .filter(|line| line.iter().any(|b| !b.is_ascii_whitespace()))
+            .collect(),
+        BodyFormat::Json => {
+            let first = body.iter().find(|b| !b.is_ascii_whitespace());
+            match first {
+                Some(b'[') => {
+                    let items: Vec<&RawValue> = serde_json::from_slice(body).map_err(|e| {
+                        Rejection::new(
+                            ReasonCode::MalformedBody,
+                            format!("the JSON array does not parse: {e}"),
+                        )
+                    })?;
+                    items.into_iter().map(|raw| raw.get().as_bytes()).collect()
+                }
+                Some(b'{') => vec![trim(body)],
+                Some(_) => {
+                    return Err(Rejection::new(
+                        ReasonCode::MalformedBody,
+                        "a JSON body must be one event object or an array of events",
+                    ));
+                }
+                None => Vec::new(),
+            }
+        }
+    };
+    if events.is_empty() {
+        return Err(Rejection::new(
+            ReasonCode::MalformedBody,
+            "the body holds no events",
+        ));
+    }
+    if events.len() > max_events {
+        return Err(Rejection::new(
+            ReasonCode::BatchTooLarge,
+            format!(
+                "the body holds {} events; the limit is {max_events}",
+                events.len()
+            ),
+        ));
+    }
+    Ok(events)
+}
+
+fn trim(bytes: &[u8]) -> &[u8] {
+    let start = bytes
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(bytes.len());
+    let end = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |p| p + 1);
+    &bytes[start..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_split_into_events() {
+        let one = br#" {"a":1} "#;
+        assert_eq!(
+            split(BodyFormat::Json, one, 10).unwrap(),
+            vec![&br#"{"a":1}"#[..]]
+        );
+        let arr = br#"[{"a":1}, {"b":[1,2]}]"#;
+        assert_eq!(split(BodyFormat::Json, arr, 10).unwrap().len(), 2);
+        let nd = b"{\"a\":1}\r\n\n{oops\n";
+        let parts = split(BodyFormat::Ndjson, nd, 10).unwrap();
+        assert_eq!(parts, vec![&b"{\"a\":1}"[..], &b"{oops"[..]]);
+    }
+
+    #[test]
+    fn malformed_and_oversized_bodies_are_classified() {
+        let r = split(BodyFormat::Json, b"[{\"a\":1},", 10).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+        let r = split(BodyFormat::Json, b"42", 10).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+        let r = split(BodyFormat::Ndjson, b"{}\n{}\n{}", 2).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::BatchTooLarge);
+        let r = split(BodyFormat::Json, b"   ", 2).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+    }
+
+    #[test]
+    fn compression_bombs_stop_at_the_limit() {
+        let big = vec![b' '; 1 << 20];
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut enc, &big).unwrap();
+        let gz = enc.finish().unwrap();
+        let r = decode(Some("gzip"), gz.clone().into(), 1000).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::BodyTooLarge);
+        assert_eq!(
+            decode(Some("gzip"), gz.into(), 1 << 20).unwrap().len(),
+            1 << 20
+        );
+        let z = zstd::encode_all(&big[..], 3).unwrap();
+        assert_eq!(
+            decode(Some("zstd"), z.into(), 1 << 20).unwrap().len(),
+            1 << 20
+        );
+        let r = decode(Some("br"), big.clone().into(), 1 << 21).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::UnsupportedEncoding);
+        let r = decode(Some("gzip"), bytes::Bytes::from_static(b"not gzip"), 10).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::UnsupportedEncoding);
+    }
+
+    #[test]
+    fn content_types() {
+        assert_eq!(
+            body_format(Some("application/json; charset=utf-8")).unwrap(),
+            BodyFormat::Json
+        );
+        assert_eq!(
+            body_format(Some("application/x-ndjson")).unwrap(),
+            BodyFormat::Ndjson
+        );
+        assert_eq!(
+            body_format(Some("text/plain")).unwrap_err().reason,
+            ReasonCode::UnsupportedMediaType
+        );
+        assert_eq!(
+            body_format(None).unwrap_err().reason,
+            ReasonCode::UnsupportedMediaType
+        );
+    }
+}

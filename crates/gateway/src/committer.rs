@@ -1,0 +1,569 @@
+//! The group committer: one task that admits validated events, drops duplicates, and
+//! commits groups to the landing table, acknowledging each request only after the commit
+//! that holds its events succeeded.
+//!
+//! A group closes after `commit.interval` or at `commit.max_bytes`. One commit is in
+//! flight at a time; the next group fills meanwhile. A failed commit is retried with the
+//! same commit identity (so an attempt whose outcome was unknown never lands twice) until
+//! it succeeds; its requests wait, and new requests are refused with 503 by the admission
+//! checks while the store is failing or the queue is full.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arrow_array::RecordBatch;
+use futures::Future;
+use signalweave_lake::{CommitIdentity, Lake, LakeError, LakeTable};
+use signalweave_model::{Event, EventBatchBuilder};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::dedup::{DedupIndex, Seen, identity};
+use crate::metrics::Metrics;
+
+/// Rejection evidence rows kept waiting for a commit at most; more are dropped and counted.
+pub const MAX_PENDING_EVIDENCE_ROWS: usize = 100_000;
+
+/// Snapshot summary key: the ingest time of the group's first request, µs.
+pub const SUMMARY_INGEST_MIN: &str = "signalweave.ingest-min-us";
+
+/// State the request handlers read to decide admission; the committer writes it.
+#[derive(Debug)]
+pub struct Pipeline {
+    /// Decoded bytes admitted and not yet committed.
+    pub queue_bytes: AtomicUsize,
+    /// The same, per tenant (by configuration index).
+    pub tenant_bytes: Vec<AtomicUsize>,
+    /// Ingest time (µs) of the oldest uncommitted event; 0 when none.
+    pub oldest_queued_us: AtomicI64,
+    /// When the commit in flight started (µs); 0 when none.
+    pub commit_started_us: AtomicI64,
+    /// Whether the last commit attempt failed.
+    pub store_failing: AtomicBool,
+    /// The last commit failure, for /readyz.
+    pub last_failure: Mutex<Option<String>>,
+}
+
+impl Pipeline {
+    /// Empty accounting for `tenants` tenants.
+    pub fn new(tenants: usize) -> Self {
+        Self {
+            queue_bytes: AtomicUsize::new(0),
+            tenant_bytes: (0..tenants).map(|_| AtomicUsize::new(0)).collect(),
+            oldest_queued_us: AtomicI64::new(0),
+            commit_started_us: AtomicI64::new(0),
+            store_failing: AtomicBool::new(false),
+            last_failure: Mutex::new(None),
+        }
+    }
+
+    fn release(&self, tenant_bytes: &[usize]) {
+        for (i, b) in tenant_bytes.iter().enumerate() {
+            if *b > 0 {
+                self.queue_bytes.fetch_sub(*b, Ordering::AcqRel);
+                if let Some(t) = self.tenant_bytes.get(i) {
+                    t.fetch_sub(*b, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+}
+
+/// Validated events of one request, admitted to the queue.
+#[derive(Debug)]
+pub struct Submission {
+    /// The key's tenant (configuration index), for queue accounting.
+    pub tenant_index: usize,
+    /// Ingest time stamped on the events.
+    pub ingest_time_us: i64,
+    /// Valid events, in request order.
+    pub events: Vec<Event>,
+    /// Decoded bytes admitted for this request (released at commit).
+    pub bytes: usize,
+    /// Evidence of the request's rejected records, for `signalweave.rejections`.
+    pub evidence: Option<RecordBatch>,
+    /// Where the outcome goes.
+    pub reply: oneshot::Sender<Result<Ack, Unavailable>>,
+}
+
+/// A request's acknowledgment: its events are committed.
+#[derive(Debug, Clone)]
+pub struct Ack {
+    /// The snapshot that holds the request's events (or their earlier twins).
+    pub snapshot_id: Option<i64>,
+    /// Per event of the submission: true when it was a duplicate.
+    pub duplicate: Vec<bool>,
+}
+
+/// The commit could not be made durable (the gateway gave up while draining, or the
+/// lake refused the batch). The client may retry: its events did not land, or landed and
+/// will be acknowledged as duplicates.
+#[derive(Debug, Clone)]
+pub struct Unavailable(pub String);
+
+struct Waiter {
+    reply: oneshot::Sender<Result<Ack, Unavailable>>,
+    duplicate: Vec<bool>,
+}
+
+struct Group {
+    id: u64,
+    builder: EventBatchBuilder,
+    batch: Option<RecordBatch>,
+    ids: Vec<u128>,
+    ingest: Vec<i64>,
+    tenant_bytes: Vec<usize>,
+    first_ingest_us: i64,
+    opened: Option<Instant>,
+    waiters: Vec<Waiter>,
+}
+
+impl Group {
+    fn new(id: u64, tenants: usize) -> Self {
+        Self {
+            id,
+            builder: EventBatchBuilder::with_capacity(4096),
+            batch: None,
+            ids: Vec::new(),
+            ingest: Vec::new(),
+            tenant_bytes: vec![0; tenants],
+            first_ingest_us: 0,
+            opened: None,
+            waiters: Vec::new(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.tenant_bytes.iter().sum()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.opened.is_none()
+    }
+}
+
+/// What the committer did by the time it stopped.
+#[derive(Debug, Clone, Default)]
+pub struct CommitterReport {
+    /// Commits made.
+    pub commits: u64,
+    /// Events committed.
+    pub events: u64,
+    /// Events whose requests were answered 503 because the drain deadline passed.
+    pub abandoned_events: u64,
+}
+
+type CommitFuture = Pin<Box<dyn Future<Output = CommitResult> + Send>>;
+
+struct CommitResult {
+    events: Result<Option<i64>, LakeError>,
+    evidence_left: Vec<RecordBatch>,
+    elapsed: Duration,
+}
+
+/// Settings of the committer.
+#[derive(Debug, Clone)]
+pub struct CommitterOptions {
+    /// Writer id of this gateway run (commit identities are `(writer_id, group id)`).
+    pub writer_id: String,
+    /// Group interval.
+    pub interval: Duration,
+    /// Group byte bound.
+    pub max_bytes: usize,
+    /// How long a drain may wait for a failing store before answering 503.
+    pub drain_timeout: Duration,
+    /// Tenants (for accounting).
+    pub tenants: usize,
+}
+
+/// The committer task's state.
+pub struct Committer {
+    lake: Lake,
+    options: CommitterOptions,
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    dedup: DedupIndex,
+    open: Group,
+    committing: Option<Group>,
+    next_group: u64,
+    evidence: Vec<RecordBatch>,
+    evidence_rows: usize,
+    evidence_since: Option<Instant>,
+    report: CommitterReport,
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+impl Committer {
+    /// A committer over `lake`, starting from `dedup` (rebuilt from the landing table).
+    pub fn new(
+        lake: Lake,
+        options: CommitterOptions,
+        pipeline: Arc<Pipeline>,
+        metrics: Arc<Metrics>,
+        dedup: DedupIndex,
+    ) -> Self {
+        let tenants = options.tenants;
+        Self {
+            lake,
+            options,
+            pipeline,
+            metrics,
+            dedup,
+            open: Group::new(1, tenants),
+            committing: None,
+            next_group: 2,
+            evidence: Vec::new(),
+            evidence_rows: 0,
+            evidence_since: None,
+            report: CommitterReport::default(),
+        }
+    }
+
+    /// Runs until `rx` is closed and everything admitted is committed (or the drain
+    /// deadline passed).
+    pub async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Submission>) -> CommitterReport {
+        let mut closed = false;
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut in_flight: Option<CommitFuture> = None;
+        let mut retry_at: Option<tokio::time::Instant> = None;
+        let mut backoff = Duration::from_millis(100);
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            if in_flight.is_none()
+                && retry_at.is_none()
+                && (self.committing.is_some() || self.open_due(closed))
+            {
+                in_flight = Some(self.start_commit());
+            }
+            if closed
+                && in_flight.is_none()
+                && self.committing.is_none()
+                && self.open.is_empty()
+                && self.evidence.is_empty()
+            {
+                break;
+            }
+            let wake = [self.open.opened, self.evidence_since]
+                .into_iter()
+                .flatten()
+                .min()
+                .map(|t| tokio::time::Instant::from_std(t + self.options.interval));
+            tokio::select! {
+                result = async { in_flight.as_mut().expect("guarded").await }, if in_flight.is_some() => {
+                    in_flight = None;
+                    if self.finish_commit(result) {
+                        backoff = Duration::from_millis(100);
+                    } else {
+                        retry_at = Some(tokio::time::Instant::now() + backoff);
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+                sub = rx.recv(), if !closed => match sub {
+                    Some(sub) => self.admit(sub),
+                    None => {
+                        closed = true;
+                        drain_deadline =
+                            Some(tokio::time::Instant::now() + self.options.drain_timeout);
+                    }
+                },
+                _ = async { tokio::time::sleep_until(retry_at.expect("guarded")).await }, if retry_at.is_some() => {
+                    retry_at = None;
+                }
+                _ = async { tokio::time::sleep_until(wake.expect("guarded")).await }, if wake.is_some() && in_flight.is_none() && retry_at.is_none() => {}
+                _ = async { tokio::time::sleep_until(drain_deadline.expect("guarded")).await }, if drain_deadline.is_some() => {
+                    drop(in_flight.take());
+                    self.abandon("the gateway stopped before the landing table accepted the commit");
+                    break;
+                }
+                _ = tick.tick() => self.housekeeping(),
+            }
+        }
+        self.report
+    }
+
+    fn housekeeping(&mut self) {
+        self.dedup.expire(now_us());
+        self.metrics.dedup_entries.set(self.dedup.len() as i64);
+        let oldest = self.pipeline.oldest_queued_us.load(Ordering::Acquire);
+        let age = if oldest == 0 {
+            0.0
+        } else {
+            (now_us() - oldest).max(0) as f64 / 1e6
+        };
+        self.metrics.queue_oldest_age_seconds.set(age);
+        self.metrics
+            .queue_bytes
+            .set(self.pipeline.queue_bytes.load(Ordering::Acquire) as i64);
+    }
+
+    fn open_due(&self, closed: bool) -> bool {
+        let Some(opened) = self.open.opened else {
+            // Evidence alone is committed on the same schedule as events.
+            return self.evidence_since.is_some_and(|since| {
+                closed
+                    || since.elapsed() >= self.options.interval
+                    || self.evidence_rows >= MAX_PENDING_EVIDENCE_ROWS / 2
+            });
+        };
+        closed
+            || opened.elapsed() >= self.options.interval
+            || self.open.bytes() >= self.options.max_bytes
+    }
+
+    fn admit(&mut self, sub: Submission) {
+        if let Some(evidence) = sub.evidence {
+            if self.evidence_rows + evidence.num_rows() > MAX_PENDING_EVIDENCE_ROWS {
+                self.metrics
+                    .evidence_dropped
+                    .inc_by(evidence.num_rows() as u64);
+            } else {
+                self.evidence_rows += evidence.num_rows();
+                self.evidence.push(evidence);
+                self.evidence_since.get_or_insert_with(Instant::now);
+            }
+        }
+        if sub.events.is_empty() {
+            self.pipeline.release(&per_tenant(
+                sub.tenant_index,
+                sub.bytes,
+                self.options.tenants,
+            ));
+            let _ = sub.reply.send(Ok(Ack {
+                snapshot_id: None,
+                duplicate: Vec::new(),
+            }));
+            return;
+        }
+        let mut duplicate = Vec::with_capacity(sub.events.len());
+        let mut wait_for: u64 = 0;
+        let mut added = 0usize;
+        for event in &sub.events {
+            let id = identity(event.tenant.as_str(), event.event_id.as_str());
+            match self.dedup.check(id) {
+                Seen::New => {
+                    self.open.builder.push(event);
+                    self.open.ids.push(id);
+                    self.open.ingest.push(event.ingest_time_us);
+                    self.dedup.hold(id, self.open.id);
+                    wait_for = wait_for.max(self.open.id);
+                    duplicate.push(false);
+                    added += 1;
+                }
+                Seen::InFlight(group) => {
+                    wait_for = wait_for.max(group);
+                    duplicate.push(true);
+                }
+                Seen::Committed => duplicate.push(true),
+            }
+        }
+        self.metrics
+            .events
+            .get_or_create(&[("outcome", "duplicate")])
+            .inc_by((sub.events.len() - added) as u64);
+        let waiter = Waiter {
+            reply: sub.reply,
+            duplicate,
+        };
+        if added > 0 {
+            if let Some(slot) = self.open.tenant_bytes.get_mut(sub.tenant_index) {
+                *slot += sub.bytes;
+            }
+            if self.open.opened.is_none() {
+                self.open.opened = Some(Instant::now());
+                self.open.first_ingest_us = sub.ingest_time_us;
+                self.note_oldest();
+            }
+        } else {
+            self.pipeline.release(&per_tenant(
+                sub.tenant_index,
+                sub.bytes,
+                self.options.tenants,
+            ));
+        }
+        if wait_for == 0 {
+            let _ = waiter.reply.send(Ok(Ack {
+                snapshot_id: None,
+                duplicate: waiter.duplicate,
+            }));
+        } else if wait_for == self.open.id {
+            self.open.waiters.push(waiter);
+        } else if let Some(c) = self.committing.as_mut().filter(|c| c.id == wait_for) {
+            c.waiters.push(waiter);
+        } else {
+            // The twin's group is no longer waiting: it committed (or was abandoned, in which
+            // case the identity was released and `check` would not have said InFlight).
+            let _ = waiter.reply.send(Ok(Ack {
+                snapshot_id: None,
+                duplicate: waiter.duplicate,
+            }));
+        }
+    }
+
+    fn note_oldest(&self) {
+        let oldest = [self.committing.as_ref(), Some(&self.open)]
+            .into_iter()
+            .flatten()
+            .filter(|g| !g.is_empty())
+            .map(|g| g.first_ingest_us)
+            .min()
+            .unwrap_or(0);
+        self.pipeline
+            .oldest_queued_us
+            .store(oldest, Ordering::Release);
+    }
+
+    /// Closes the open group (unless a failed one is being retried) and starts its commit.
+    fn start_commit(&mut self) -> CommitFuture {
+        if self.committing.is_none() {
+            let next = Group::new(self.next_group, self.options.tenants);
+            self.next_group += 1;
+            self.committing = Some(std::mem::replace(&mut self.open, next));
+        }
+        let group = self.committing.as_mut().expect("set above");
+        let identity = CommitIdentity::new(self.options.writer_id.clone(), group.id);
+        // The batch is built once and kept, so that a retry commits the very same rows.
+        let batch = if group.ids.is_empty() {
+            Ok(None)
+        } else if let Some(b) = &group.batch {
+            Ok(Some(b.clone()))
+        } else {
+            match group.builder.finish() {
+                Ok(b) => {
+                    group.batch = Some(b.clone());
+                    Ok(Some(b))
+                }
+                Err(e) => Err(LakeError::new(
+                    signalweave_model::ErrorKind::Internal,
+                    format!("cannot build the commit batch: {e}"),
+                )),
+            }
+        };
+        let evidence = std::mem::take(&mut self.evidence);
+        self.evidence_rows = 0;
+        self.evidence_since = None;
+        let lake = self.lake.clone();
+        let first_ingest = group.first_ingest_us;
+        self.pipeline
+            .commit_started_us
+            .store(now_us(), Ordering::Release);
+        Box::pin(async move {
+            let started = Instant::now();
+            let events = match batch {
+                Err(e) => Err(e),
+                Ok(None) => Ok(None),
+                Ok(Some(batch)) => {
+                    let summary: HashMap<String, String> =
+                        [(SUMMARY_INGEST_MIN.to_string(), first_ingest.to_string())].into();
+                    lake.append_with_summary(LakeTable::Events, &[batch], &identity, summary)
+                        .await
+                        .map(|o| Some(o.snapshot_id))
+                }
+            };
+            let mut evidence_left = evidence;
+            if events.is_ok() && !evidence_left.is_empty() {
+                let id = CommitIdentity::new(
+                    format!("{}-rejections", identity.writer_id),
+                    identity.batch_seq,
+                );
+                match lake
+                    .append(LakeTable::Rejections, &evidence_left, &id)
+                    .await
+                {
+                    Ok(_) => evidence_left.clear(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "rejection evidence not committed; kept for the next commit")
+                    }
+                }
+            }
+            CommitResult {
+                events,
+                evidence_left,
+                elapsed: started.elapsed(),
+            }
+        })
+    }
+
+    /// Applies a commit's outcome; false when it must be retried.
+    fn finish_commit(&mut self, result: CommitResult) -> bool {
+        self.pipeline.commit_started_us.store(0, Ordering::Release);
+        for b in result.evidence_left {
+            self.evidence_rows += b.num_rows();
+            self.evidence.push(b);
+            self.evidence_since.get_or_insert_with(Instant::now);
+        }
+        let snapshot_id = match result.events {
+            Ok(s) => s,
+            Err(e) => {
+                self.metrics.commit_failures.inc();
+                self.pipeline.store_failing.store(true, Ordering::Release);
+                if let Ok(mut last) = self.pipeline.last_failure.lock() {
+                    *last = Some(e.to_string());
+                }
+                tracing::warn!(error = %e, "commit failed; retrying with the same identity");
+                if !e.retryable() {
+                    // The lake refused the batch itself: retrying cannot help.
+                    self.fail_committing(&format!("the landing table refused the batch: {e}"));
+                    return true;
+                }
+                return false;
+            }
+        };
+        self.pipeline.store_failing.store(false, Ordering::Release);
+        let Some(group) = self.committing.take() else {
+            return true;
+        };
+        if !group.ids.is_empty() {
+            self.report.commits += 1;
+            self.report.events += group.ids.len() as u64;
+            self.metrics.commits.inc();
+            self.metrics
+                .commit_seconds
+                .observe(result.elapsed.as_secs_f64());
+            self.metrics.commit_events.observe(group.ids.len() as f64);
+            self.metrics
+                .events
+                .get_or_create(&[("outcome", "accepted")])
+                .inc_by(group.ids.len() as u64);
+        }
+        self.dedup.committed(&group.ids, &group.ingest);
+        self.pipeline.release(&group.tenant_bytes);
+        for w in group.waiters {
+            let _ = w.reply.send(Ok(Ack {
+                snapshot_id,
+                duplicate: w.duplicate,
+            }));
+        }
+        self.note_oldest();
+        true
+    }
+
+    fn fail_committing(&mut self, why: &str) {
+        if let Some(group) = self.committing.take() {
+            self.dedup.release(&group.ids);
+            self.pipeline.release(&group.tenant_bytes);
+            self.report.abandoned_events += group.ids.len() as u64;
+            for w in group.waiters {
+                let _ = w.reply.send(Err(Unavailable(why.to_string())));
+            }
+        }
+        self.note_oldest();
+    }
+
+    fn abandon(&mut self, why: &str) {
+        self.fail_committing(why);
+        let open = std::mem::replace(&mut self.open, Group::new(0, self.options.tenants));
+        self.committing = Some(open);
+        self.fail_committing(why);
+    }
+}
+
+fn per_tenant(index: usize, bytes: usize, tenants: usize) -> Vec<usize> {
+    let mut v = vec![0; tenants.max(index + 1)];
+    v[index] = bytes;
+    v
+}

@@ -1,0 +1,835 @@
+//! The HTTP surface (axum): `POST /v1/events`, `/healthz`, `/readyz`, `/metrics`, and
+//! the [`Gateway`] that owns the committer task.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::TimestampMicrosecondType;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::TryStreamExt;
+use serde::Serialize;
+use signalweave_lake::{Lake, LakeTable, rejection_batch};
+use signalweave_model::{
+    EVENT_COLUMNS, ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry,
+    ValidationLimits, format_rfc3339_micros,
+};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::auth::{Authenticator, Grant};
+use crate::body::{body_format, decode, split};
+use crate::committer::{
+    Committer, CommitterOptions, CommitterReport, Pipeline, Submission, Unavailable,
+};
+use crate::config::GatewayConfig;
+use crate::dedup::{DedupIndex, identity};
+use crate::error::{GatewayError, Result};
+use crate::metrics::Metrics;
+use crate::quota::Quotas;
+
+/// Response header: the oldest event age the gateway still accepts, in seconds.
+pub const MAX_EVENT_AGE_HEADER: &str = "signalweave-max-event-age";
+
+/// How long a draining gateway waits for a failing store before answering 503.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Field ids of `event_id`, `tenant` and `ingest_time` in `signalweave.events` (the
+/// Iceberg field id of a column is its 1-based position).
+fn dedup_field_ids() -> Vec<i32> {
+    ["event_id", "tenant", "ingest_time"]
+        .iter()
+        .filter_map(|name| EVENT_COLUMNS.iter().position(|c| c == name))
+        .map(|p| p as i32 + 1)
+        .collect()
+}
+
+struct AppState {
+    config: GatewayConfig,
+    auth: Authenticator,
+    quotas: Quotas,
+    validator: EventValidator,
+    pipeline: Arc<Pipeline>,
+    metrics: Arc<Metrics>,
+    permits: Arc<Semaphore>,
+    tx: mpsc::UnboundedSender<Submission>,
+    ready: AtomicBool,
+}
+
+/// A running gateway: the committer task and the state the HTTP handlers share.
+pub struct Gateway {
+    state: Arc<AppState>,
+    committer: JoinHandle<CommitterReport>,
+    writer_id: String,
+    dedup_loaded: usize,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("writer_id", &self.writer_id)
+            .finish()
+    }
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+/// Rebuilds the duplicate index from the landing table: the identities of events ingested
+/// within `horizon`, read from the snapshots committed in that time.
+pub async fn rebuild_dedup(lake: &Lake, horizon: Duration) -> Result<DedupIndex> {
+    let horizon_us = i64::try_from(horizon.as_micros()).unwrap_or(i64::MAX);
+    let now = now_us();
+    let cutoff = now.saturating_sub(horizon_us);
+    let mut index = DedupIndex::new(horizon_us);
+    let snapshots = lake.snapshots(LakeTable::Events).await?;
+    // A snapshot committed before the cutoff holds only events ingested before it.
+    let after = snapshots
+        .iter()
+        .filter(|s| s.timestamp_ms.saturating_mul(1000) < cutoff)
+        .max_by_key(|s| s.sequence_number)
+        .map(|s| s.snapshot_id);
+    let plan = match lake.plan_appended_since(LakeTable::Events, after).await {
+        Ok(plan) => plan,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            lake.plan_appended_since(LakeTable::Events, None).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let field_ids = dedup_field_ids();
+    let tasks: Vec<_> = plan
+        .tasks
+        .into_iter()
+        .map(|mut t| {
+            t.project_field_ids = field_ids.clone();
+            t
+        })
+        .collect();
+    if tasks.is_empty() {
+        return Ok(index);
+    }
+    let mut stream = lake.read(LakeTable::Events, tasks).await?;
+    let mut entries = Vec::new();
+    while let Some(batch) = stream
+        .try_next()
+        .await
+        .map_err(|e| GatewayError::new(ErrorKind::Unavailable, format!("rebuild dedup: {e}")))?
+    {
+        let (Some(ids), Some(tenants), Some(ingest)) = (
+            batch.column_by_name("event_id"),
+            batch.column_by_name("tenant"),
+            batch.column_by_name("ingest_time"),
+        ) else {
+            return Err(GatewayError::new(
+                ErrorKind::Internal,
+                format!(
+                    "rebuild dedup: the events table lacks event_id, tenant or ingest_time: {:?}",
+                    batch.schema()
+                ),
+            ));
+        };
+        let ids = ids.as_string_opt::<i32>();
+        let tenants = tenants.as_string_opt::<i32>();
+        let ingest = ingest.as_primitive_opt::<TimestampMicrosecondType>();
+        let (Some(ids), Some(tenants), Some(ingest)) = (ids, tenants, ingest) else {
+            return Err(GatewayError::new(
+                ErrorKind::Internal,
+                "rebuild dedup: unexpected column types in the events table",
+            ));
+        };
+        for row in 0..batch.num_rows() {
+            let at = ingest.value(row);
+            if at >= cutoff {
+                entries.push((at, identity(tenants.value(row), ids.value(row))));
+            }
+        }
+    }
+    index.load(entries, now);
+    Ok(index)
+}
+
+impl Gateway {
+    /// Starts a gateway on `lake` (initialized): rebuilds the duplicate index and spawns
+    /// the committer. Serve it with [`Gateway::serve`] or mount [`Gateway::router`].
+    pub async fn start(
+        config: GatewayConfig,
+        lake: Lake,
+        registry: Arc<SchemaRegistry>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let dedup = rebuild_dedup(&lake, config.dedup.horizon).await?;
+        let dedup_loaded = dedup.len();
+        let metrics = Arc::new(Metrics::new());
+        metrics.dedup_entries.set(dedup_loaded as i64);
+        let pipeline = Arc::new(Pipeline::new(config.tenants.len()));
+        let run = uuid::Uuid::new_v4().simple().to_string();
+        let writer_id = format!("gateway-{}-{}", config.instance, &run[..12]);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let committer = Committer::new(
+            lake,
+            CommitterOptions {
+                writer_id: writer_id.clone(),
+                interval: config.commit.interval,
+                max_bytes: config.commit.max_bytes,
+                drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+                tenants: config.tenants.len(),
+            },
+            Arc::clone(&pipeline),
+            Arc::clone(&metrics),
+            dedup,
+        );
+        let committer = tokio::spawn(committer.run(rx));
+        let limits = ValidationLimits {
+            max_event_bytes: config.limits.max_event_bytes,
+            max_future_skew_us: i64::try_from(config.limits.max_future_skew.as_micros())
+                .unwrap_or(i64::MAX),
+            ..ValidationLimits::default()
+        };
+        let state = Arc::new(AppState {
+            auth: Authenticator::new(&config),
+            quotas: Quotas::new(&config),
+            validator: EventValidator::new(registry, limits),
+            permits: Arc::new(Semaphore::new(config.limits.max_concurrent_requests)),
+            pipeline,
+            metrics,
+            tx,
+            ready: AtomicBool::new(true),
+            config,
+        });
+        Ok(Self {
+            state,
+            committer,
+            writer_id,
+            dedup_loaded,
+        })
+    }
+
+    /// The writer id this run's commits carry.
+    pub fn writer_id(&self) -> &str {
+        &self.writer_id
+    }
+
+    /// Identities loaded into the duplicate index at start.
+    pub fn dedup_loaded(&self) -> usize {
+        self.dedup_loaded
+    }
+
+    /// The gateway's routes.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/events", post(post_events))
+            .route("/healthz", get(healthz))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .layer(DefaultBodyLimit::disable())
+            .with_state(Arc::clone(&self.state))
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets in-flight
+    /// requests finish (their events are committed and acknowledged), commits what is
+    /// left, and returns what the committer did.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<CommitterReport> {
+        let router = self.router();
+        let state = Arc::clone(&self.state);
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                state.ready.store(false, Ordering::Release);
+            })
+            .await;
+        self.stop(served.err().map(|e| e.to_string())).await
+    }
+
+    /// Stops the committer after the HTTP side has finished: commits what is admitted.
+    pub async fn stop(self, serve_error: Option<String>) -> Result<CommitterReport> {
+        let Gateway {
+            state, committer, ..
+        } = self;
+        state.ready.store(false, Ordering::Release);
+        drop(state);
+        let report = committer
+            .await
+            .map_err(|e| GatewayError::new(ErrorKind::Internal, format!("committer: {e}")))?;
+        if let Some(e) = serve_error {
+            return Err(GatewayError::new(
+                ErrorKind::Unavailable,
+                format!("serve: {e}"),
+            ));
+        }
+        Ok(report)
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(st): State<Arc<AppState>>) -> Response {
+    match admission_refusal(&st) {
+        _ if !st.ready.load(Ordering::Acquire) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "stopping\n").into_response()
+        }
+        Some(r) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}: {}\n", r.reason, r.detail),
+        )
+            .into_response(),
+        None => (StatusCode::OK, "ready\n").into_response(),
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let oldest = st.pipeline.oldest_queued_us.load(Ordering::Acquire);
+    let age = if oldest == 0 {
+        0.0
+    } else {
+        (now_us() - oldest).max(0) as f64 / 1e6
+    };
+    st.metrics.queue_oldest_age_seconds.set(age);
+    st.metrics
+        .queue_bytes
+        .set(st.pipeline.queue_bytes.load(Ordering::Acquire) as i64);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+/// A whole request refused: status, reason, detail, and when to come back.
+#[derive(Debug, Clone)]
+struct Refusal {
+    status: StatusCode,
+    reason: &'static str,
+    detail: String,
+    retry_after: Option<Duration>,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, reason: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            reason,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    fn rejection(status: StatusCode, r: &Rejection) -> Self {
+        Self::new(status, r.reason.as_str(), r.detail.clone())
+    }
+
+    fn retry(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    reason: &'a str,
+    detail: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_s: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_event_age_s: Option<u64>,
+}
+
+fn status_label(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        200 => "200",
+        207 => "207",
+        400 => "400",
+        401 => "401",
+        403 => "403",
+        413 => "413",
+        415 => "415",
+        429 => "429",
+        503 => "503",
+        s if s < 500 => "4xx",
+        _ => "5xx",
+    }
+}
+
+fn refuse(st: &AppState, r: Refusal) -> Response {
+    st.metrics
+        .requests
+        .get_or_create(&[("status", status_label(r.status))])
+        .inc();
+    let capacity = matches!(r.status.as_u16(), 429 | 503);
+    if capacity {
+        st.metrics
+            .throttled
+            .get_or_create(&[("cause", r.reason)])
+            .inc();
+    }
+    let max_age = st.config.queue.max_event_age.as_secs();
+    let retry_s = r
+        .retry_after
+        .map(|d| d.as_secs_f64().ceil().max(1.0) as u64);
+    let body = ErrorBody {
+        error: ErrorDetail {
+            reason: r.reason,
+            detail: &r.detail,
+            retry_after_s: retry_s,
+            max_event_age_s: capacity.then_some(max_age),
+        },
+    };
+    let mut resp = (r.status, axum::Json(body)).into_response();
+    let headers = resp.headers_mut();
+    if let Some(s) = retry_s {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    if capacity {
+        headers.insert(MAX_EVENT_AGE_HEADER, HeaderValue::from(max_age));
+    }
+    resp
+}
+
+/// The 503 causes that do not depend on the request: store failing, commit stalled,
+/// queue too old.
+fn admission_refusal(st: &AppState) -> Option<Refusal> {
+    let p = &st.pipeline;
+    if p.store_failing.load(Ordering::Acquire) {
+        let why = p
+            .last_failure
+            .lock()
+            .ok()
+            .and_then(|l| l.clone())
+            .unwrap_or_default();
+        return Some(
+            Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                format!("the landing table is not accepting commits: {why}"),
+            )
+            .retry(Duration::from_secs(2)),
+        );
+    }
+    let now = now_us();
+    let started = p.commit_started_us.load(Ordering::Acquire);
+    let stall = st.config.commit.stall_after;
+    if started != 0 && now - started > i64::try_from(stall.as_micros()).unwrap_or(i64::MAX) {
+        return Some(
+            Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "commit_pipeline_behind",
+                format!("a commit has been in flight for more than {stall:?}"),
+            )
+            .retry(Duration::from_secs(1)),
+        );
+    }
+    let oldest = p.oldest_queued_us.load(Ordering::Acquire);
+    let max_age = st.config.queue.max_age;
+    if oldest != 0 && now - oldest > i64::try_from(max_age.as_micros()).unwrap_or(i64::MAX) {
+        return Some(
+            Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "queue_too_old",
+                format!("the oldest queued event has waited more than {max_age:?}"),
+            )
+            .retry(Duration::from_secs(1)),
+        );
+    }
+    None
+}
+
+/// Records a refused request's evidence in `signalweave.rejections` (via the committer).
+fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: &Rejection) {
+    st.metrics
+        .rejections
+        .get_or_create(&[("reason", rejection.reason.as_str())])
+        .inc();
+    let source = grant.map_or_else(
+        || "gateway".to_string(),
+        |g| format!("gateway/{}", g.tenant),
+    );
+    if let Ok(batch) = rejection_batch(now_us(), &source, &[(body, 0, rejection.clone())]) {
+        let (reply, _) = oneshot::channel();
+        let _ = st.tx.send(Submission {
+            tenant_index: grant.map_or(0, |g| g.tenant_index),
+            ingest_time_us: now_us(),
+            events: Vec::new(),
+            bytes: 0,
+            evidence: Some(batch),
+            reply,
+        });
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+fn header_str(headers: &HeaderMap, name: header::HeaderName) -> Option<&str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+#[derive(Serialize)]
+struct AckBody {
+    status: &'static str,
+    snapshot_id: Option<i64>,
+    ingest_time: String,
+    accepted: usize,
+    duplicate: usize,
+    rejected: usize,
+    results: Vec<EventResult>,
+}
+
+#[derive(Serialize)]
+struct EventResult {
+    index: usize,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+async fn post_events(State(st): State<Arc<AppState>>, request: Request) -> Response {
+    let arrived = Instant::now();
+    let response = ingest(&st, request).await;
+    let response = match response {
+        Ok(r) => r,
+        Err(refusal) => return refuse(&st, refusal),
+    };
+    st.metrics
+        .ack_seconds
+        .observe(arrived.elapsed().as_secs_f64());
+    response
+}
+
+async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
+    let Ok(_permit) = Arc::clone(&st.permits).try_acquire_owned() else {
+        return Err(Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_requests_in_flight",
+            format!(
+                "more than {} ingest requests are in flight",
+                st.config.limits.max_concurrent_requests
+            ),
+        )
+        .retry(Duration::from_secs(1)));
+    };
+    let (parts, body) = request.into_parts();
+    let headers = &parts.headers;
+    let Some(token) = bearer(headers) else {
+        let r = Rejection::new(
+            ReasonCode::MissingCredentials,
+            "an `Authorization: Bearer <key>` header is required",
+        );
+        record_refusal(st, None, b"", &r);
+        return Err(Refusal::rejection(StatusCode::UNAUTHORIZED, &r));
+    };
+    let Some(grant) = st.auth.authenticate(token).cloned() else {
+        let r = Rejection::new(ReasonCode::InvalidCredentials, "the API key is not known");
+        record_refusal(st, None, b"", &r);
+        return Err(Refusal::rejection(StatusCode::UNAUTHORIZED, &r));
+    };
+    let format = match body_format(header_str(headers, header::CONTENT_TYPE)) {
+        Ok(f) => f,
+        Err(r) => {
+            record_refusal(st, Some(&grant), b"", &r);
+            return Err(Refusal::rejection(StatusCode::UNSUPPORTED_MEDIA_TYPE, &r));
+        }
+    };
+    if let Some(refusal) = admission_refusal(st) {
+        return Err(refusal);
+    }
+    let limits = &st.config.limits;
+    let raw = read_body(body, limits.max_body_bytes)
+        .await
+        .inspect_err(|r| {
+            record_refusal(st, Some(&grant), b"", r);
+        });
+    let raw = raw.map_err(|r| {
+        let status = if r.reason == ReasonCode::BodyTooLarge {
+            StatusCode::PAYLOAD_TOO_LARGE
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        Refusal::rejection(status, &r)
+    })?;
+    let decoded = match decode(
+        header_str(headers, header::CONTENT_ENCODING),
+        raw.clone(),
+        limits.max_decoded_bytes,
+    ) {
+        Ok(d) => d,
+        Err(r) => {
+            record_refusal(st, Some(&grant), &raw, &r);
+            let status = if r.reason == ReasonCode::BodyTooLarge {
+                StatusCode::PAYLOAD_TOO_LARGE
+            } else {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            };
+            return Err(Refusal::rejection(status, &r));
+        }
+    };
+    let events = match split(format, &decoded, limits.max_batch_events) {
+        Ok(e) => e,
+        Err(r) => {
+            record_refusal(st, Some(&grant), &decoded, &r);
+            let status = if r.reason == ReasonCode::BatchTooLarge {
+                StatusCode::PAYLOAD_TOO_LARGE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            return Err(Refusal::rejection(status, &r));
+        }
+    };
+    // The tenant's buckets pay for what the request carries, before any parsing work.
+    let records = u32::try_from(events.len()).unwrap_or(u32::MAX);
+    let bytes = u32::try_from(decoded.len()).unwrap_or(u32::MAX);
+    if let Err(t) = st.quotas.check(grant.tenant_index, records, bytes, &[]) {
+        return Err(Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "quota_exceeded",
+            format!("tenant `{}`: the {} quota is spent", grant.tenant, t.bucket),
+        )
+        .retry(t.retry_after));
+    }
+
+    let now = now_us();
+    let ingest_time = now;
+    let mut accepted = Vec::with_capacity(events.len());
+    let mut positions = Vec::with_capacity(events.len());
+    let mut rejected: Vec<(usize, Rejection)> = Vec::new();
+    for (i, raw_event) in events.iter().enumerate() {
+        match st.validator.validate_bytes(raw_event, now, ingest_time) {
+            Ok(event) if event.tenant.as_str() != &*grant.tenant => rejected.push((
+                i,
+                Rejection::new(
+                    ReasonCode::TenantMismatch,
+                    format!(
+                        "event tenant `{}` differs from the key's tenant `{}`",
+                        event.tenant, grant.tenant
+                    ),
+                ),
+            )),
+            Ok(event) if !grant.allows_producer(event.producer_id.as_str()) => rejected.push((
+                i,
+                Rejection::new(
+                    ReasonCode::ProducerNotAllowed,
+                    format!("the key may not speak for producer `{}`", event.producer_id),
+                ),
+            )),
+            Ok(event) => {
+                accepted.push(event);
+                positions.push(i);
+            }
+            Err(r) => rejected.push((i, r)),
+        }
+    }
+    let mut per_producer: HashMap<&str, u32> = HashMap::new();
+    for e in &accepted {
+        *per_producer.entry(e.producer_id.as_str()).or_default() += 1;
+    }
+    let per_producer: Vec<(&str, u32)> = per_producer.into_iter().collect();
+    if let Err(t) = st.quotas.check(grant.tenant_index, 0, 0, &per_producer) {
+        return Err(Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "quota_exceeded",
+            format!(
+                "a producer of tenant `{}`: the {} quota is spent",
+                grant.tenant, t.bucket
+            ),
+        )
+        .retry(t.retry_after));
+    }
+    let accepted_bytes: usize = positions.iter().map(|&i| events[i].len()).sum();
+    if !accepted.is_empty() {
+        reserve_queue(st, &grant, accepted_bytes)?;
+    }
+
+    for (_, r) in &rejected {
+        st.metrics
+            .rejections
+            .get_or_create(&[("reason", r.reason.as_str())])
+            .inc();
+    }
+    st.metrics
+        .events
+        .get_or_create(&[("outcome", "rejected")])
+        .inc_by(rejected.len() as u64);
+    let evidence = if rejected.is_empty() {
+        None
+    } else {
+        let rows: Vec<(&[u8], u64, Rejection)> = rejected
+            .iter()
+            .map(|(i, r)| (events[*i], *i as u64, r.clone()))
+            .collect();
+        rejection_batch(now, &format!("gateway/{}", grant.tenant), &rows).ok()
+    };
+    st.metrics.accepted_bytes.inc_by(accepted_bytes as u64);
+    let candidates = accepted.len();
+    let (reply, ack) = oneshot::channel();
+    let submitted = st.tx.send(Submission {
+        tenant_index: grant.tenant_index,
+        ingest_time_us: ingest_time,
+        events: accepted,
+        bytes: if candidates > 0 { accepted_bytes } else { 0 },
+        evidence,
+        reply,
+    });
+    if submitted.is_err() {
+        return Err(Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "the gateway is stopping",
+        )
+        .retry(Duration::from_secs(1)));
+    }
+    let ack = match ack.await {
+        Ok(Ok(ack)) => ack,
+        Ok(Err(Unavailable(why))) => {
+            return Err(
+                Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", why)
+                    .retry(Duration::from_secs(2)),
+            );
+        }
+        Err(_) => {
+            return Err(Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the gateway stopped before the commit",
+            )
+            .retry(Duration::from_secs(1)));
+        }
+    };
+
+    let mut results: Vec<EventResult> = Vec::with_capacity(events.len());
+    let mut duplicates = 0;
+    for (k, &i) in positions.iter().enumerate() {
+        let dup = ack.duplicate.get(k).copied().unwrap_or(false);
+        duplicates += usize::from(dup);
+        results.push(EventResult {
+            index: i,
+            status: if dup { "duplicate" } else { "accepted" },
+            reason: None,
+            detail: None,
+        });
+    }
+    let all_authz = rejected.iter().all(|(_, r)| {
+        matches!(
+            r.reason,
+            ReasonCode::TenantMismatch | ReasonCode::ProducerNotAllowed
+        )
+    });
+    let n_rejected = rejected.len();
+    for (i, r) in rejected {
+        results.push(EventResult {
+            index: i,
+            status: "rejected",
+            reason: Some(r.reason.as_str()),
+            detail: Some(r.detail),
+        });
+    }
+    results.sort_by_key(|r| r.index);
+    let (status, label) = if n_rejected == 0 {
+        (StatusCode::OK, "accepted")
+    } else if candidates > 0 {
+        (StatusCode::MULTI_STATUS, "partial")
+    } else if all_authz {
+        (StatusCode::FORBIDDEN, "rejected")
+    } else {
+        (StatusCode::BAD_REQUEST, "rejected")
+    };
+    st.metrics
+        .requests
+        .get_or_create(&[("status", status_label(status))])
+        .inc();
+    let body = AckBody {
+        status: label,
+        snapshot_id: ack.snapshot_id,
+        ingest_time: format_rfc3339_micros(ingest_time),
+        accepted: candidates - duplicates,
+        duplicate: duplicates,
+        rejected: n_rejected,
+        results,
+    };
+    Ok((status, axum::Json(body)).into_response())
+}
+
+/// Reserves `bytes` of the queue for `grant`'s tenant, or refuses: 429 when the tenant's
+/// share is spent (others are still served), 503 when the whole queue is.
+fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refusal> {
+    let p = &st.pipeline;
+    let q = &st.config.queue;
+    let total = p.queue_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
+    if total > q.max_bytes {
+        p.queue_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        return Err(Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "queue_full",
+            format!("{} bytes are waiting for a commit", total - bytes),
+        )
+        .retry(Duration::from_secs(1)));
+    }
+    let Some(tenant) = p.tenant_bytes.get(grant.tenant_index) else {
+        return Ok(());
+    };
+    let mine = tenant.fetch_add(bytes, Ordering::AcqRel) + bytes;
+    if mine > q.tenant_max_bytes() {
+        tenant.fetch_sub(bytes, Ordering::AcqRel);
+        p.queue_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        return Err(Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "tenant_queue_full",
+            format!(
+                "tenant `{}` holds {} of its {} queued bytes",
+                grant.tenant,
+                mine - bytes,
+                q.tenant_max_bytes()
+            ),
+        )
+        .retry(Duration::from_secs(1)));
+    }
+    Ok(())
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, Rejection> {
+    use http_body_util::BodyExt;
+    let limited = http_body_util::Limited::new(body, limit);
+    match limited.collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(Rejection::new(
+                ReasonCode::BodyTooLarge,
+                format!("the request body exceeds {limit} bytes"),
+            ))
+        }
+        Err(e) => Err(Rejection::new(
+            ReasonCode::MalformedBody,
+            format!("the request body could not be read: {e}"),
+        )),
+    }
+}
