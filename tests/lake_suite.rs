@@ -157,6 +157,65 @@ async fn append_is_idempotent_under_retry() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_append_commits_once_across_partitions() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let id = CommitIdentity::new("writer-s", 1);
+        let mut w = lake.append_writer(LakeTable::Events, &id).await.unwrap();
+        // Chunks that span day partitions, written as they arrive.
+        for chunk in evs.chunks(700) {
+            w.write(&batch(chunk)).await.unwrap();
+        }
+        assert_eq!(w.rows(), 1_800);
+        // Nothing is visible before the commit.
+        assert!(lake.snapshots(LakeTable::Events).await.unwrap().is_empty());
+        let files = w.finish().await.unwrap();
+        let first = lake
+            .commit_written(files.clone(), Default::default())
+            .await
+            .unwrap();
+        assert!(!first.already_committed);
+        assert_eq!(first.data_files, 3, "{}: one file per day", b.name);
+        // Committing the same files again (an unknown outcome retried) is recognised, and
+        // so is a plain append under the same identity.
+        let again = lake
+            .commit_written(files, Default::default())
+            .await
+            .unwrap();
+        assert!(again.already_committed);
+        let plain = lake
+            .append(LakeTable::Events, &[batch(&evs)], &id)
+            .await
+            .unwrap();
+        assert!(plain.already_committed);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            1_800,
+            "{}",
+            b.name
+        );
+        // A batch of another table's shape is refused before anything is written.
+        let mut w = lake
+            .append_writer(LakeTable::Events, &CommitIdentity::new("writer-s", 2))
+            .await
+            .unwrap();
+        let wrong = signalweave_lake::rejection_batch(
+            0,
+            "test",
+            &[(
+                &b"{}"[..],
+                1,
+                signalweave_model::Rejection::new(signalweave_model::ReasonCode::MissingField, "x"),
+            )],
+        )
+        .unwrap();
+        let err = w.write(&wrong).await.unwrap_err();
+        assert_eq!(err.kind(), signalweave_model::ErrorKind::InvalidInput);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writers_never_lose_appends() {
     for b in support::backends() {
         let lake = open(&b).await;

@@ -34,6 +34,32 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 0)]
         expire_every: u64,
     },
+    /// Acknowledged events/s through the gateway: an in-process gateway on the lake and
+    /// `--producers` separate `signalweave produce` processes at `--rate` in total.
+    /// Reports ack latency percentiles, gateway CPU seconds per 100k events, peak RSS.
+    Gateway {
+        /// Target events/s over all producers.
+        #[arg(long, default_value_t = 85_000)]
+        rate: u64,
+        /// How long the producers send.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "20s")]
+        duration: std::time::Duration,
+        /// Serialized event size, bytes.
+        #[arg(long, default_value_t = 1200)]
+        event_size: usize,
+        /// Producer processes.
+        #[arg(long, default_value_t = 2)]
+        producers: usize,
+        /// Most events per request.
+        #[arg(long, default_value_t = 2000)]
+        batch_events: usize,
+        /// Requests in flight per producer.
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// Gateway configuration.
+        #[arg(long, default_value = "catalog/gateway/dev.toml")]
+        config: std::path::PathBuf,
+    },
     /// Range scan + GROUP BY through `signalweave sql` vs DataFusion on the same Parquet files.
     Scan {
         /// Events to land first (skipped if `events` already holds at least this many).
@@ -88,9 +114,30 @@ fn dir_bytes(path: &std::path::Path) -> u64 {
 }
 
 /// Runs one benchmark against the lake `config` and prints its figures.
-pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
+pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Path) -> Result<()> {
     let lake = Lake::open(config.clone()).await?;
     lake.init().await?;
+    if let BenchCommand::Gateway {
+        rate,
+        duration,
+        event_size,
+        producers,
+        batch_events,
+        concurrency,
+        config,
+    } = cmd
+    {
+        let registry = signalweave_model::SchemaRegistry::load_dir(schemas)?;
+        let opts = GatewayBench {
+            rate: *rate,
+            duration: *duration,
+            event_size: *event_size,
+            producers: *producers,
+            batch_events: *batch_events,
+            concurrency: *concurrency,
+        };
+        return gateway_bench(lake, registry, config, opts).await;
+    }
     let run_id = uuid_like();
     match cmd {
         BenchCommand::Append { events, batch } => {
@@ -170,6 +217,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig) -> Result<()> {
                 println!("metadata on disk: {:.1} MB", bytes as f64 / 1e6);
             }
         }
+        BenchCommand::Gateway { .. } => unreachable!("handled above"),
         BenchCommand::Scan { events, runs } => {
             let current: u64 = lake
                 .snapshots(LakeTable::Events)
@@ -308,4 +356,144 @@ fn uuid_like() -> String {
             .map(|d| d.as_nanos())
             .unwrap_or_default()
     )
+}
+
+/// CPU seconds (user + system) and peak RSS bytes of this process, from /proc.
+pub fn proc_usage() -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let hwm_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // Linux reports CPU time in USER_HZ ticks, 100 per second on every mainstream platform.
+    Some((ticks / 100.0, hwm_kib * 1024))
+}
+
+struct GatewayBench {
+    rate: u64,
+    duration: std::time::Duration,
+    event_size: usize,
+    producers: usize,
+    batch_events: usize,
+    concurrency: usize,
+}
+
+async fn gateway_bench(
+    lake: Lake,
+    registry: signalweave_model::SchemaRegistry,
+    config_path: &std::path::Path,
+    o: GatewayBench,
+) -> Result<()> {
+    let mut config = crate::ingest::gateway_config(config_path)?;
+    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let interval = config.commit.interval;
+    let gateway =
+        signalweave_gateway::Gateway::start(config, lake, std::sync::Arc::new(registry)).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(gateway.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let (cpu0, _) = proc_usage().unwrap_or_default();
+    let exe = std::env::current_exe()?;
+    let per = (o.rate / o.producers.max(1) as u64).max(1);
+    let started = Instant::now();
+    let mut children = Vec::new();
+    for i in 0..o.producers.max(1) {
+        let child = tokio::process::Command::new(&exe)
+            .args([
+                "produce",
+                "--url",
+                &url,
+                "--rate",
+                &per.to_string(),
+                "--duration",
+                &format!("{}ms", o.duration.as_millis()),
+                "--event-size",
+                &o.event_size.to_string(),
+                "--producer-id",
+                &format!("bench-{i}"),
+                "--seed",
+                &(i as u64 + 1).to_string(),
+                "--batch-events",
+                &o.batch_events.to_string(),
+                "--concurrency",
+                &o.concurrency.to_string(),
+                "--format",
+                "json",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()?;
+        children.push(child);
+    }
+    let mut reports = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().await?;
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+        let map: std::collections::HashMap<String, String> = rows
+            .into_iter()
+            .filter_map(|r| {
+                Some((
+                    r.get("measure")?.as_str()?.to_string(),
+                    r.get("value")?.as_str()?.to_string(),
+                ))
+            })
+            .collect();
+        reports.push(map);
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let (cpu1, rss) = proc_usage().unwrap_or_default();
+    let _ = stop.send(());
+    let committed = server.await??;
+    let num = |m: &std::collections::HashMap<String, String>, k: &str| -> f64 {
+        m.get(k).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    let acked: f64 = reports
+        .iter()
+        .map(|m| num(m, "accepted") + num(m, "duplicate"))
+        .sum();
+    let rate: f64 = reports.iter().map(|m| num(m, "acked events/s")).sum();
+    let worst = |k: &str| reports.iter().map(|m| num(m, k)).fold(0.0, f64::max);
+    let lost: f64 = reports
+        .iter()
+        .map(|m| num(m, "dropped (buffer full)") + num(m, "dropped (too old)") + num(m, "rejected"))
+        .sum();
+    let throttled: f64 = reports
+        .iter()
+        .map(|m| num(m, "throttled (429)") + num(m, "unavailable (503)"))
+        .sum();
+    let producer_cpu: f64 = reports.iter().map(|m| num(m, "cpu s")).sum();
+    let gateway_cpu = cpu1 - cpu0;
+    println!(
+        "gateway: {} B events, offered {} ev/s by {} producers for {:?}; commit interval {:?}",
+        o.event_size, o.rate, o.producers, o.duration, interval
+    );
+    println!(
+        "  acked {acked:.0} events ({rate:.0} ev/s over the producers' runs, wall {wall:.1} s); {} commits; lost {lost:.0}; 429/503 answers {throttled:.0}",
+        committed.commits
+    );
+    println!(
+        "  ack latency (enqueue -> ack, worst producer): p50 {:.0} ms, p99 {:.0} ms, p99.9 {:.0} ms",
+        worst("ack p50 ms"),
+        worst("ack p99 ms"),
+        worst("ack p99.9 ms")
+    );
+    println!(
+        "  gateway CPU {:.2} s = {:.2} CPU s per 100k events; producers CPU {:.2} s; gateway peak RSS {:.0} MiB",
+        gateway_cpu,
+        gateway_cpu / acked.max(1.0) * 100_000.0,
+        producer_cpu,
+        rss as f64 / 1048576.0
+    );
+    Ok(())
 }

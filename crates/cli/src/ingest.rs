@@ -229,6 +229,13 @@ pub async fn run_produce(args: &ProduceArgs) -> Result<ExitCode> {
         ("ack p99 ms".into(), ms(lat.map(|l| l[1]))),
         ("ack p99.9 ms".into(), ms(lat.map(|l| l[2]))),
     ];
+    if let Some((cpu, rss)) = crate::bench::proc_usage() {
+        rows.push(("cpu s".into(), format!("{cpu:.2}")));
+        rows.push((
+            "peak rss MiB".into(),
+            format!("{:.0}", rss as f64 / 1048576.0),
+        ));
+    }
     for (reason, n) in &s.rejected_by_reason {
         rows.push((format!("rejected: {reason}"), n.to_string()));
     }

@@ -411,7 +411,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;
-            bench::run(cmd, config).await?;
+            bench::run(cmd, config, &cli.schemas).await?;
         }
     }
     Ok(ExitCode::SUCCESS)

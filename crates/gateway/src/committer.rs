@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
 use futures::Future;
-use signalweave_lake::{CommitIdentity, Lake, LakeError, LakeTable};
+use signalweave_lake::{AppendWriter, CommitIdentity, Lake, LakeError, LakeTable};
 use signalweave_model::{Event, EventBatchBuilder};
 use tokio::sync::{mpsc, oneshot};
 
@@ -25,6 +25,9 @@ use crate::metrics::Metrics;
 
 /// Rejection evidence rows kept waiting for a commit at most; more are dropped and counted.
 pub const MAX_PENDING_EVIDENCE_ROWS: usize = 100_000;
+
+/// Rows encoded into the group's data files at a time, while the group fills.
+pub const ENCODE_CHUNK_ROWS: usize = 8192;
 
 /// Snapshot summary key: the ingest time of the group's first request, µs.
 pub const SUMMARY_INGEST_MIN: &str = "signalweave.ingest-min-us";
@@ -111,7 +114,12 @@ struct Waiter {
 struct Group {
     id: u64,
     builder: EventBatchBuilder,
-    batch: Option<RecordBatch>,
+    /// Finished chunks of the group (kept for a retry through a plain append).
+    batches: Vec<RecordBatch>,
+    /// The group's data files, encoded while it fills; None until the first chunk, or
+    /// after a write failed (the commit then appends `batches` instead).
+    writer: Option<AppendWriter>,
+    writer_failed: bool,
     ids: Vec<u128>,
     ingest: Vec<i64>,
     tenant_bytes: Vec<usize>,
@@ -124,8 +132,10 @@ impl Group {
     fn new(id: u64, tenants: usize) -> Self {
         Self {
             id,
-            builder: EventBatchBuilder::with_capacity(4096),
-            batch: None,
+            builder: EventBatchBuilder::with_capacity(ENCODE_CHUNK_ROWS),
+            batches: Vec::new(),
+            writer: None,
+            writer_failed: false,
             ids: Vec::new(),
             ingest: Vec::new(),
             tenant_bytes: vec![0; tenants],
@@ -264,7 +274,7 @@ impl Committer {
                     }
                 }
                 sub = rx.recv(), if !closed => match sub {
-                    Some(sub) => self.admit(sub),
+                    Some(sub) => self.admit(sub).await,
                     None => {
                         closed = true;
                         drain_deadline =
@@ -315,7 +325,7 @@ impl Committer {
             || self.open.bytes() >= self.options.max_bytes
     }
 
-    fn admit(&mut self, sub: Submission) {
+    async fn admit(&mut self, sub: Submission) {
         if let Some(evidence) = sub.evidence {
             if self.evidence_rows + evidence.num_rows() > MAX_PENDING_EVIDENCE_ROWS {
                 self.metrics
@@ -369,6 +379,9 @@ impl Committer {
             reply: sub.reply,
             duplicate,
         };
+        if self.open.builder.len() >= ENCODE_CHUNK_ROWS {
+            self.encode_chunk().await;
+        }
         if added > 0 {
             if let Some(slot) = self.open.tenant_bytes.get_mut(sub.tenant_index) {
                 *slot += sub.bytes;
@@ -404,6 +417,39 @@ impl Committer {
         }
     }
 
+    /// Moves the builder's rows into a chunk and encodes it into the group's data files.
+    async fn encode_chunk(&mut self) {
+        let batch = match self.open.builder.finish() {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build a chunk of the group");
+                return;
+            }
+        };
+        self.open.batches.push(batch.clone());
+        if self.open.writer_failed {
+            return;
+        }
+        if self.open.writer.is_none() {
+            let identity = CommitIdentity::new(self.options.writer_id.clone(), self.open.id);
+            match self.lake.append_writer(LakeTable::Events, &identity).await {
+                Ok(w) => self.open.writer = Some(w),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open the group's data files; the commit appends instead");
+                    self.open.writer_failed = true;
+                    return;
+                }
+            }
+        }
+        if let Some(w) = self.open.writer.as_mut()
+            && let Err(e) = w.write(&batch).await
+        {
+            tracing::warn!(error = %e, "cannot encode a chunk of the group; the commit appends instead");
+            self.open.writer = None;
+            self.open.writer_failed = true;
+        }
+    }
+
     fn note_oldest(&self) {
         let oldest = [self.committing.as_ref(), Some(&self.open)]
             .into_iter()
@@ -426,23 +472,29 @@ impl Committer {
         }
         let group = self.committing.as_mut().expect("set above");
         let identity = CommitIdentity::new(self.options.writer_id.clone(), group.id);
-        // The batch is built once and kept, so that a retry commits the very same rows.
-        let batch = if group.ids.is_empty() {
+        // The rows are fixed once: a retry commits the very same rows.
+        let tail = if group.builder.is_empty() {
             Ok(None)
-        } else if let Some(b) = &group.batch {
-            Ok(Some(b.clone()))
         } else {
-            match group.builder.finish() {
-                Ok(b) => {
-                    group.batch = Some(b.clone());
-                    Ok(Some(b))
-                }
-                Err(e) => Err(LakeError::new(
+            group.builder.finish().map(Some).map_err(|e| {
+                LakeError::new(
                     signalweave_model::ErrorKind::Internal,
                     format!("cannot build the commit batch: {e}"),
-                )),
-            }
+                )
+            })
         };
+        let tail = match tail {
+            Ok(t) => {
+                if let Some(b) = &t {
+                    group.batches.push(b.clone());
+                }
+                Ok(t)
+            }
+            Err(e) => Err(e),
+        };
+        let batches = group.batches.clone();
+        let writer = group.writer.take();
+        group.writer_failed |= writer.is_none();
         let evidence = std::mem::take(&mut self.evidence);
         self.evidence_rows = 0;
         self.evidence_since = None;
@@ -453,16 +505,39 @@ impl Committer {
             .store(now_us(), Ordering::Release);
         Box::pin(async move {
             let started = Instant::now();
-            let events = match batch {
-                Err(e) => Err(e),
-                Ok(None) => Ok(None),
-                Ok(Some(batch)) => {
-                    let summary: HashMap<String, String> =
-                        [(SUMMARY_INGEST_MIN.to_string(), first_ingest.to_string())].into();
-                    lake.append_with_summary(LakeTable::Events, &[batch], &identity, summary)
-                        .await
-                        .map(|o| Some(o.snapshot_id))
+            let summary: HashMap<String, String> =
+                [(SUMMARY_INGEST_MIN.to_string(), first_ingest.to_string())].into();
+            let events = match (tail, writer) {
+                (Err(e), _) => Err(e),
+                (Ok(_), _) if batches.is_empty() => Ok(None),
+                (Ok(tail), Some(mut writer)) => {
+                    // The group's files were encoded while it filled: write the tail,
+                    // close, commit.
+                    let written = match &tail {
+                        Some(t) => writer.write(t).await,
+                        None => Ok(()),
+                    };
+                    let committed = match written {
+                        Ok(()) => match writer.finish().await {
+                            Ok(files) => lake.commit_written(files, summary.clone()).await,
+                            Err(e) => Err(e),
+                        },
+                        Err(e) => Err(e),
+                    };
+                    match committed {
+                        Ok(o) => Ok(Some(o.snapshot_id)),
+                        // Fall back to a plain append of the same rows under the same
+                        // identity: it finds the commit if the failed attempt landed.
+                        Err(_) => lake
+                            .append_with_summary(LakeTable::Events, &batches, &identity, summary)
+                            .await
+                            .map(|o| Some(o.snapshot_id)),
+                    }
                 }
+                (Ok(_), None) => lake
+                    .append_with_summary(LakeTable::Events, &batches, &identity, summary)
+                    .await
+                    .map(|o| Some(o.snapshot_id)),
             };
             let mut evidence_left = evidence;
             if events.is_ok() && !evidence_left.is_empty() {

@@ -548,12 +548,7 @@ impl Lake {
         }
     }
 
-    async fn write_data_files(
-        &self,
-        table: &Table,
-        batches: &[RecordBatch],
-        identity: &CommitIdentity,
-    ) -> Result<Vec<DataFile>> {
+    fn open_writer(&self, table: &Table, identity: &CommitIdentity) -> Result<OpenWriter> {
         let metadata = table.metadata();
         let schema = metadata.current_schema().clone();
         let spec = metadata.default_partition_spec().clone();
@@ -592,26 +587,87 @@ impl Lake {
             location,
             names,
         );
-        let mut writer = FanoutWriter::new(DataFileWriterBuilder::new(rolling));
+        let writer = FanoutWriter::new(DataFileWriterBuilder::new(rolling));
         let splitter = iceberg::arrow::RecordBatchPartitionSplitter::try_new_with_computed_values(
             schema, spec,
         )
         .map_err(|e| LakeError::iceberg("partition splitter", e))?;
+        Ok(OpenWriter { writer, splitter })
+    }
+
+    async fn write_data_files(
+        &self,
+        table: &Table,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+    ) -> Result<Vec<DataFile>> {
+        let mut open = self.open_writer(table, identity)?;
         for batch in batches {
-            let parts = splitter
-                .split(batch)
-                .map_err(|e| LakeError::iceberg("split batch by partition", e))?;
-            for (key, part) in parts {
-                writer
-                    .write(key, part)
-                    .await
-                    .map_err(|e| LakeError::iceberg("write data file", e))?;
+            open.write(batch).await?;
+        }
+        open.close().await
+    }
+
+    /// Starts an append whose data files are written while its batch grows: write batches
+    /// as they arrive with [`AppendWriter::write`], then commit them all at once with
+    /// [`Lake::commit_written`]. A group commit then pays only for closing the files and
+    /// the metadata commit when it closes, not for encoding the whole group.
+    pub async fn append_writer(
+        &self,
+        table: LakeTable,
+        identity: &CommitIdentity,
+    ) -> Result<AppendWriter> {
+        let t = self.table(table).await?;
+        let open = self.open_writer(&t, identity)?;
+        Ok(AppendWriter {
+            table,
+            identity: identity.clone(),
+            open,
+            rows: 0,
+        })
+    }
+
+    /// Commits the files of a finished [`AppendWriter`] in one fast-append recorded under
+    /// the writer's identity, with the same idempotence and retries as [`Lake::append`].
+    pub async fn commit_written(
+        &self,
+        written: WrittenFiles,
+        summary: HashMap<String, String>,
+    ) -> Result<AppendOutcome> {
+        let WrittenFiles {
+            table,
+            identity,
+            files,
+            rows,
+        } = written;
+        let mut backoff = Duration::from_millis(50);
+        let mut files = Some(files);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let result = self
+                .append_attempt(table, &[], &identity, rows, &summary, &mut files)
+                .await;
+            match result {
+                Ok(outcome) => return Ok(outcome),
+                Err(e) if e.retryable() && attempt < DEFAULT_APPEND_ATTEMPTS => {
+                    if e.kind() != ErrorKind::Conflict {
+                        tracing::warn!(table = table.name(), attempt, error = %e, "commit failed; retrying");
+                    }
+                    let jitter =
+                        Duration::from_micros(u64::from(uuid::Uuid::new_v4().as_fields().1) * 10);
+                    tokio::time::sleep(backoff + jitter).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    if files.is_none() {
+                        // The attempt failed before it could keep its files (for example
+                        // while loading the table): nothing was committed, so nothing to
+                        // retry with; the caller falls back to a full append.
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
             }
         }
-        writer
-            .close()
-            .await
-            .map_err(|e| LakeError::iceberg("close data files", e))
     }
 
     /// Expires snapshots of `table` by its retention rule (table properties
@@ -935,4 +991,101 @@ fn create_dir(dir: &Path) -> Result<()> {
             format!("cannot create {}: {e}", dir.display()),
         )
     })
+}
+
+type DataWriter = FanoutWriter<
+    DataFileWriterBuilder<ParquetWriterBuilder, DefaultLocationGenerator, DefaultFileNameGenerator>,
+>;
+
+struct OpenWriter {
+    writer: DataWriter,
+    splitter: iceberg::arrow::RecordBatchPartitionSplitter,
+}
+
+impl OpenWriter {
+    async fn write(&mut self, batch: &RecordBatch) -> Result<()> {
+        let parts = self
+            .splitter
+            .split(batch)
+            .map_err(|e| LakeError::iceberg("split batch by partition", e))?;
+        for (key, part) in parts {
+            self.writer
+                .write(key, part)
+                .await
+                .map_err(|e| LakeError::iceberg("write data file", e))?;
+        }
+        Ok(())
+    }
+
+    async fn close(self) -> Result<Vec<DataFile>> {
+        self.writer
+            .close()
+            .await
+            .map_err(|e| LakeError::iceberg("close data files", e))
+    }
+}
+
+/// An append in progress: data files written batch by batch (see [`Lake::append_writer`]).
+pub struct AppendWriter {
+    table: LakeTable,
+    identity: CommitIdentity,
+    open: OpenWriter,
+    rows: u64,
+}
+
+impl std::fmt::Debug for AppendWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppendWriter")
+            .field("table", &self.table)
+            .field("identity", &self.identity)
+            .field("rows", &self.rows)
+            .finish()
+    }
+}
+
+impl AppendWriter {
+    /// Encodes `batch` into the append's data files (schema checked).
+    pub async fn write(&mut self, batch: &RecordBatch) -> Result<()> {
+        if batch.schema().fields() != self.table.arrow_schema().fields() {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                format!("batch schema does not match {}", self.table.name()),
+            ));
+        }
+        self.open.write(batch).await?;
+        self.rows += batch.num_rows() as u64;
+        Ok(())
+    }
+
+    /// Rows written so far.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Closes the data files; commit them with [`Lake::commit_written`].
+    pub async fn finish(self) -> Result<WrittenFiles> {
+        let files = self.open.close().await?;
+        Ok(WrittenFiles {
+            table: self.table,
+            identity: self.identity,
+            files,
+            rows: self.rows,
+        })
+    }
+}
+
+/// Closed data files of an [`AppendWriter`], not yet committed.
+#[derive(Debug, Clone)]
+pub struct WrittenFiles {
+    table: LakeTable,
+    identity: CommitIdentity,
+    files: Vec<DataFile>,
+    rows: u64,
+}
+
+impl WrittenFiles {
+    /// Rows in the files.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
 }

@@ -29,8 +29,8 @@ mod sql;
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use error::{LakeError, Result};
 pub use lake::{
-    AppendOutcome, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome, IncrementalPlan, Lake,
-    ScanPlan, SnapshotInfo,
+    AppendOutcome, AppendWriter, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome,
+    IncrementalPlan, Lake, ScanPlan, SnapshotInfo, WrittenFiles,
 };
 pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, REJECTIONS_SCHEMA, SUMMARY_BATCH_SEQ,

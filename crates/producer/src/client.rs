@@ -61,8 +61,9 @@ impl ProducerConfig {
     pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(100);
     /// Default longest backoff: 5 s.
     pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(5);
-    /// Default concurrency: 8 requests.
-    pub const DEFAULT_CONCURRENCY: usize = 8;
+    /// Default concurrency: 64 requests (a request waits for its group commit, up to the
+    /// gateway's commit interval: about interval / linger requests keep latency at one interval).
+    pub const DEFAULT_CONCURRENCY: usize = 64;
 
     /// Defaults for a gateway at `url` with key `token`.
     pub fn new(url: impl Into<String>, token: impl Into<String>) -> Self {
