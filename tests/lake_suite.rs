@@ -216,6 +216,245 @@ async fn streamed_append_commits_once_across_partitions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_merges_manifests_expires_unheld_snapshots_and_keeps_every_row() {
+    use signalweave_lake::{MaintenancePolicy, Retention};
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let append = |i: usize| {
+            let lake = lake.clone();
+            let data = batch(&evs[i * 30..(i + 1) * 30]);
+            async move {
+                lake.append(
+                    LakeTable::Events,
+                    &[data],
+                    &CommitIdentity::new("m", i as u64),
+                )
+                .await
+                .unwrap()
+            }
+        };
+        for i in 0..10 {
+            append(i).await;
+        }
+        // A live tail's position, held against expiry.
+        let held = lake.snapshots(LakeTable::Events).await.unwrap()[9].snapshot_id;
+        lake.hold_snapshot(LakeTable::Events, "tail-test", held)
+            .await
+            .unwrap();
+        for i in 10..30 {
+            append(i).await;
+        }
+        let policy = MaintenancePolicy {
+            min_manifests_to_merge: 10,
+            retention: Some(Retention {
+                keep_last: 5,
+                max_age_ms: 0,
+            }),
+            ..Default::default()
+        };
+        let r = lake.maintain(LakeTable::Events, &policy).await.unwrap();
+        assert_eq!(r.manifests_before, 30, "{}", b.name);
+        assert!(
+            r.merge_snapshot.is_some() && r.manifests_after < 5,
+            "{}: {r:?}",
+            b.name
+        );
+        // 31 snapshots (30 appends + the merge): the 9 before the held position expire;
+        // it and the 21 after it stay (17 of them only because of the hold).
+        assert_eq!(r.snapshots_expired, 9, "{}: {r:?}", b.name);
+        assert_eq!(r.snapshots_held, 17);
+        assert!(r.deleted.manifest_lists >= 9, "{}: {r:?}", b.name);
+        assert_eq!(
+            r.deleted.data_files, 0,
+            "{}: no data file is garbage",
+            b.name
+        );
+        let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+        assert!(snaps.iter().any(|s| s.snapshot_id == held));
+        assert_eq!(snaps.len(), 22);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            900
+        );
+        // The tail from the held position reads the 20 later appends once each and skips
+        // the merge (a replace snapshot adds no rows).
+        let plan = lake
+            .plan_appended_since(LakeTable::Events, Some(held))
+            .await
+            .unwrap();
+        let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
+        assert_eq!(rows(&read), 600, "{}", b.name);
+
+        // Maintenance racing appends: CAS conflicts are retried, no append is lost.
+        let racing = async {
+            let mut n = 0;
+            for _ in 0..3 {
+                n += lake
+                    .maintain(LakeTable::Events, &policy)
+                    .await
+                    .unwrap()
+                    .conflicts;
+            }
+            n
+        };
+        let appends = async {
+            for i in 30..50 {
+                append(i % 60).await;
+            }
+        };
+        let (_conflicts, ()) = tokio::join!(racing, appends);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            1_500,
+            "{}",
+            b.name
+        );
+        let r = lake.maintain(LakeTable::Events, &policy).await.unwrap();
+        assert!(r.snapshots_held >= 17, "{r:?}");
+        lake.release_snapshot(LakeTable::Events, "tail-test")
+            .await
+            .unwrap();
+        lake.maintain(LakeTable::Events, &policy).await.unwrap();
+        let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+        assert!(
+            !snaps.iter().any(|s| s.snapshot_id == held),
+            "{}: released, then expired",
+            b.name
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            1_500
+        );
+        // Stale metadata files beyond the metadata log are gone.
+        let t = lake.table(LakeTable::Events).await.unwrap();
+        assert!(
+            t.metadata().metadata_log().len() <= signalweave_lake::DEFAULT_PREVIOUS_VERSIONS_MAX
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twice() {
+    use signalweave_lake::{CompactionPolicy, MaintenancePolicy, Retention};
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        let extra = events(WorkloadSpec {
+            seed: 99,
+            events: 400,
+            events_per_sec: 1,
+            ..Default::default()
+        });
+        let append = |i: u64, data: RecordBatch| {
+            let lake = lake.clone();
+            async move {
+                lake.append(LakeTable::Events, &[data], &CommitIdentity::new("c", i))
+                    .await
+                    .unwrap()
+            }
+        };
+        // 18 small files, 6 per day.
+        for (i, chunk) in evs.chunks(100).enumerate() {
+            append(i as u64, batch(chunk)).await;
+        }
+        let position = lake.snapshots(LakeTable::Events).await.unwrap()[5].snapshot_id;
+        // Compaction races four appends.
+        let policy = CompactionPolicy {
+            min_input_files: 3,
+            ..Default::default()
+        };
+        let compact = lake.compact(LakeTable::Events, &policy);
+        let appends = async {
+            for (k, chunk) in extra.chunks(100).enumerate() {
+                append(100 + k as u64, batch(chunk)).await;
+            }
+        };
+        let (report, ()) = tokio::join!(compact, appends);
+        let report = report.unwrap();
+        assert_eq!(
+            (report.partitions, report.files_removed),
+            (3, 18),
+            "{}: {report:?}",
+            b.name
+        );
+        assert_eq!(report.files_added, 3);
+        assert_eq!(report.rows, 1_800);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            2_200,
+            "{}",
+            b.name
+        );
+        assert_eq!(
+            count(
+                &lake,
+                "select count(distinct event_id) from signalweave.events"
+            )
+            .await,
+            2_200
+        );
+        // The tail from after the 6th append reads the 12 later appends and the 4 racing
+        // ones, once each: the replace snapshot adds no rows.
+        let plan = lake
+            .plan_appended_since(LakeTable::Events, Some(position))
+            .await
+            .unwrap();
+        let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
+        assert_eq!(rows(&read), 1_600, "{}", b.name);
+        // Each compacted file is sorted by event time.
+        let current = lake.current_data_files(LakeTable::Events).await.unwrap();
+        assert!(
+            current.len() <= 3 + 4,
+            "{}: {} files",
+            b.name,
+            current.len()
+        );
+        let full = lake
+            .plan_time_range(LakeTable::Events, i64::MIN, i64::MAX, None)
+            .await
+            .unwrap();
+        for task in full
+            .tasks
+            .into_iter()
+            .filter(|t| t.record_count == Some(600))
+        {
+            let got = lake.read_all(LakeTable::Events, vec![task]).await.unwrap();
+            let times: Vec<i64> = got
+                .iter()
+                .flat_map(|b| {
+                    b.column_by_name("event_time")
+                        .unwrap()
+                        .as_primitive::<arrow::datatypes::TimestampMicrosecondType>()
+                        .values()
+                        .to_vec()
+                })
+                .collect();
+            assert!(times.windows(2).all(|w| w[0] <= w[1]), "{}: sorted", b.name);
+        }
+        // Once the snapshots that referenced them expire, the replaced files are deleted.
+        let r = lake
+            .maintain(
+                LakeTable::Events,
+                &MaintenancePolicy {
+                    retention: Some(Retention {
+                        keep_last: 1,
+                        max_age_ms: 0,
+                    }),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.deleted.data_files, 18, "{}: {r:?}", b.name);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            2_200
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writers_never_lose_appends() {
     for b in support::backends() {
         let lake = open(&b).await;

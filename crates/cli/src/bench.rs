@@ -33,6 +33,14 @@ pub enum BenchCommand {
         /// Every N commits, expire all but the last 100 snapshots, whatever their age; 0 = never.
         #[arg(long, default_value_t = 0)]
         expire_every: u64,
+        /// Every N commits, start a maintenance pass (merge manifests, expire, delete
+        /// unreferenced files) beside the appends, as the gateway does; 0 = never.
+        #[arg(long, default_value_t = 0)]
+        maintain_every: u64,
+        /// Snapshots the maintenance keeps: a simulated day at one commit per second
+        /// keeps the 15 minutes of the default retention, 900 snapshots.
+        #[arg(long, default_value_t = 900)]
+        keep_snapshots: usize,
     },
     /// Acknowledged events/s through the gateway: an in-process gateway on the lake and
     /// `--producers` separate `signalweave produce` processes at `--rate` in total.
@@ -173,17 +181,58 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             commits,
             rows,
             expire_every,
+            maintain_every,
+            keep_snapshots,
         } => {
+            // A pool of at most 1,000 distinct batches, appended round robin.
             let spec = WorkloadSpec {
-                events: commits * (*rows as u64),
+                events: (*commits).min(1_000) * (*rows as u64),
                 events_per_sec: 1_000,
                 dup_fraction: 0.0,
                 late_fraction: 0.0,
                 ..Default::default()
             };
             let data = batches(spec, *rows);
-            let mut lat = Vec::with_capacity(data.len());
-            for (i, b) in data.iter().enumerate() {
+            let mut lat = Vec::with_capacity(*commits as usize);
+            let mut maintenance: Option<
+                tokio::task::JoinHandle<
+                    Result<signalweave_lake::MaintenanceReport, signalweave_lake::LakeError>,
+                >,
+            > = None;
+            let mut totals = signalweave_lake::MaintenanceReport::default();
+            let mut passes = 0u64;
+            let policy = signalweave_lake::MaintenancePolicy {
+                retention: Some(signalweave_lake::Retention {
+                    keep_last: *keep_snapshots,
+                    max_age_ms: 0,
+                }),
+                ..Default::default()
+            };
+            for i in 0..(*commits as usize) {
+                let b = &data[i % data.len()];
+                if *maintain_every > 0 && (i as u64).is_multiple_of(*maintain_every) && i > 0 {
+                    if let Some(h) = maintenance.take() {
+                        if h.is_finished() {
+                            let r = h.await??;
+                            passes += 1;
+                            totals.snapshots_expired += r.snapshots_expired;
+                            totals.conflicts += r.conflicts;
+                            totals.deleted.manifests += r.deleted.manifests;
+                            totals.deleted.manifest_lists += r.deleted.manifest_lists;
+                            totals.deleted.metadata_files += r.deleted.metadata_files;
+                            totals.manifests_after = r.manifests_after;
+                        } else {
+                            maintenance = Some(h);
+                        }
+                    }
+                    if maintenance.is_none() {
+                        let lake = lake.clone();
+                        let policy = policy.clone();
+                        maintenance = Some(tokio::spawn(async move {
+                            lake.maintain(LakeTable::Events, &policy).await
+                        }));
+                    }
+                }
                 let start = Instant::now();
                 lake.append(
                     LakeTable::Events,
@@ -198,16 +247,34 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                         .await?;
                 }
             }
-            for at in [1usize, 100, 1_000, 10_000, 86_400] {
+            if let Some(h) = maintenance.take() {
+                let r = h.await??;
+                passes += 1;
+                totals.snapshots_expired += r.snapshots_expired;
+                totals.conflicts += r.conflicts;
+                totals.manifests_after = r.manifests_after;
+            }
+            for at in [1usize, 100, 1_000, 10_000, 20_000, 86_400] {
                 if at > lat.len() {
                     break;
                 }
-                let lo = at.saturating_sub(10).max(1);
-                let window: Vec<f64> = lat[lo - 1..at].to_vec();
+                let lo = at.saturating_sub(1_000).max(1);
+                let mut window: Vec<f64> = lat[lo - 1..at].to_vec();
+                window.sort_by(f64::total_cmp);
+                let p99 = window[((window.len() as f64 * 0.99) as usize).min(window.len() - 1)];
                 println!(
-                    "commit {at:>6}: {:.1} ms (median of commits {lo}..={at}: {:.1} ms)",
+                    "commit {at:>6}: {:.1} ms; commits {lo}..={at}: p50 {:.1} ms, p99 {p99:.1} ms",
                     lat[at - 1],
-                    median(window)
+                    median(window.clone()),
+                );
+            }
+            if *maintain_every > 0 {
+                println!(
+                    "maintenance: {passes} passes; {} snapshots expired; {} CAS conflicts retried; {} manifests in the current snapshot; {} snapshots retained",
+                    totals.snapshots_expired,
+                    totals.conflicts,
+                    totals.manifests_after,
+                    lake.snapshots(LakeTable::Events).await?.len()
                 );
             }
             if let Warehouse::Local { path } = &config.warehouse {

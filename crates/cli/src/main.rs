@@ -100,7 +100,40 @@ enum LakeCommand {
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
     },
-    /// Expire snapshots by each table's retention rule (metadata only; see README).
+    /// Merge manifests, expire snapshots by the retention rule (never a held position),
+    /// delete the files nothing references any more, and optionally sweep orphans.
+    Maintain {
+        /// One table (default: all).
+        #[arg(long)]
+        table: Option<String>,
+        /// Merge manifests once the current snapshot holds this many.
+        #[arg(long, default_value_t = signalweave_lake::MaintenancePolicy::DEFAULT_MIN_MANIFESTS_TO_MERGE)]
+        min_manifests: usize,
+        /// Also delete unreferenced files older than this (for example `1h`).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        orphans_older_than: Option<std::time::Duration>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+    /// Bin-pack the small data files of each partition into files of about the target
+    /// size, sorted by time, as one `replace` snapshot (the live tail skips it).
+    Compact {
+        /// One table (default: all).
+        #[arg(long)]
+        table: Option<String>,
+        /// Only this day partition (YYYY-MM-DD).
+        #[arg(long)]
+        partition: Option<chrono::NaiveDate>,
+        /// Compact a partition once it holds this many small files.
+        #[arg(long, default_value_t = signalweave_lake::CompactionPolicy::DEFAULT_MIN_INPUT_FILES)]
+        min_files: usize,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+    /// Expire snapshots by each table's retention rule and delete the manifest lists,
+    /// manifests, data files and old metadata files only they referenced.
     Expire {
         /// One table (default: all).
         #[arg(long)]
@@ -242,24 +275,117 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             retain_last,
             older_than_secs,
         }) => {
-            let older_than_ms = older_than_secs
-                .map(|s| chrono::Utc::now().timestamp_millis() - s.saturating_mul(1000));
+            let max_age_ms = older_than_secs.map(|s| s.saturating_mul(1000));
             let lake = open_lake(&cli).await?;
             let tables = match table {
                 Some(t) => vec![LakeTable::from_name(t)?],
                 None => LakeTable::ALL.to_vec(),
             };
             for t in tables {
-                let outcome = lake
-                    .expire_snapshots(t, *retain_last, older_than_ms)
-                    .await?;
+                let before = lake.snapshots(t).await?.len();
+                let retention = (retain_last.is_some() || max_age_ms.is_some()).then(|| {
+                    signalweave_lake::Retention {
+                        keep_last: retain_last.unwrap_or(1),
+                        max_age_ms: max_age_ms.unwrap_or(i64::MAX),
+                    }
+                });
+                let policy = signalweave_lake::MaintenancePolicy {
+                    min_manifests_to_merge: usize::MAX,
+                    retention,
+                    ..Default::default()
+                };
+                let report = lake.maintain(t, &policy).await?;
                 outln!(
-                    "signalweave.{:<12} snapshots {} -> {}",
+                    "signalweave.{:<12} snapshots {} -> {}; deleted {} manifest lists, {} manifests, {} data files, {} metadata files",
                     t.name(),
-                    outcome.snapshots_before,
-                    outcome.snapshots_after
+                    before,
+                    before - report.snapshots_expired,
+                    report.deleted.manifest_lists,
+                    report.deleted.manifests,
+                    report.deleted.data_files,
+                    report.deleted.metadata_files
                 )?;
             }
+        }
+        Command::Lake(LakeCommand::Compact {
+            table,
+            partition,
+            min_files,
+            format,
+        }) => {
+            let lake = open_lake(&cli).await?;
+            let tables = match table {
+                Some(t) => vec![LakeTable::from_name(t)?],
+                None => LakeTable::ALL.to_vec(),
+            };
+            let epoch = chrono::NaiveDate::from_ymd_opt(1970, 1, 1).unwrap_or_default();
+            let policy = signalweave_lake::CompactionPolicy {
+                min_input_files: *min_files,
+                partition_day: partition.map(|d| (d - epoch).num_days() as i32),
+                ..Default::default()
+            };
+            let mut rows = Vec::new();
+            for t in tables {
+                let r = lake.compact(t, &policy).await?;
+                rows.push(vec![
+                    t.name().to_string(),
+                    r.partitions.to_string(),
+                    format!("{} -> {}", r.files_removed, r.files_added),
+                    r.rows.to_string(),
+                    format!("{} -> {}", r.bytes_removed, r.bytes_added),
+                    r.snapshot_id.map(|s| s.to_string()).unwrap_or_default(),
+                ]);
+            }
+            print_rows(
+                *format,
+                &["table", "partitions", "files", "rows", "bytes", "snapshot"],
+                rows,
+            )?;
+        }
+        Command::Lake(LakeCommand::Maintain {
+            table,
+            min_manifests,
+            orphans_older_than,
+            format,
+        }) => {
+            let lake = open_lake(&cli).await?;
+            let tables = match table {
+                Some(t) => vec![LakeTable::from_name(t)?],
+                None => LakeTable::ALL.to_vec(),
+            };
+            let policy = signalweave_lake::MaintenancePolicy {
+                min_manifests_to_merge: *min_manifests,
+                orphan_safety_age: *orphans_older_than,
+                ..Default::default()
+            };
+            let mut rows = Vec::new();
+            for t in tables {
+                let r = lake.maintain(t, &policy).await?;
+                rows.push(vec![
+                    t.name().to_string(),
+                    format!("{} -> {}", r.manifests_before, r.manifests_after),
+                    r.snapshots_expired.to_string(),
+                    r.snapshots_held.to_string(),
+                    (r.deleted.manifest_lists + r.deleted.manifests).to_string(),
+                    r.deleted.data_files.to_string(),
+                    r.deleted.metadata_files.to_string(),
+                    r.deleted.orphans.to_string(),
+                ]);
+            }
+            print_rows(
+                *format,
+                &[
+                    "table",
+                    "manifests",
+                    "snapshots expired",
+                    "held",
+                    "manifest files deleted",
+                    "data files deleted",
+                    "metadata files deleted",
+                    "orphans deleted",
+                ],
+                rows,
+            )?;
         }
         Command::Lake(LakeCommand::Snapshots { table, format }) => {
             let lake = open_lake(&cli).await?;

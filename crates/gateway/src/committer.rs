@@ -186,6 +186,9 @@ pub struct CommitterOptions {
     pub drain_timeout: Duration,
     /// Tenants (for accounting).
     pub tenants: usize,
+    /// Start a lake maintenance pass (merge manifests, expire, delete unreferenced files)
+    /// after this many commits; 0 never. One pass runs at a time, beside the commits.
+    pub maintain_every: u64,
 }
 
 /// The committer task's state.
@@ -202,6 +205,8 @@ pub struct Committer {
     evidence_rows: usize,
     evidence_since: Option<Instant>,
     report: CommitterReport,
+    maintenance: Option<tokio::task::JoinHandle<()>>,
+    commits_since_maintenance: u64,
 }
 
 fn now_us() -> i64 {
@@ -231,6 +236,8 @@ impl Committer {
             evidence_rows: 0,
             evidence_since: None,
             report: CommitterReport::default(),
+            maintenance: None,
+            commits_since_maintenance: 0,
         }
     }
 
@@ -292,6 +299,11 @@ impl Committer {
                 }
                 _ = tick.tick() => self.housekeeping(),
             }
+        }
+        if let Some(h) = self.maintenance.take() {
+            // A pass in flight is safe to stop: every step is a CAS commit or a deletion of
+            // files nothing references.
+            h.abort();
         }
         self.report
     }
@@ -606,6 +618,8 @@ impl Committer {
                 .inc_by(group.ids.len() as u64);
         }
         self.dedup.committed(&group.ids, &group.ingest);
+        self.commits_since_maintenance += 1;
+        self.maybe_maintain();
         self.pipeline.release(&group.tenant_bytes);
         for w in group.waiters {
             let _ = w.reply.send(Ok(Ack {
@@ -615,6 +629,32 @@ impl Committer {
         }
         self.note_oldest();
         true
+    }
+
+    /// Starts a maintenance pass of the landing and rejection tables when one is due and
+    /// none is running. It runs as its own task: a lost CAS race costs it a retry, never
+    /// an append.
+    fn maybe_maintain(&mut self) {
+        let every = self.options.maintain_every;
+        if every == 0 || self.commits_since_maintenance < every {
+            return;
+        }
+        if self.maintenance.as_ref().is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        self.commits_since_maintenance = 0;
+        let lake = self.lake.clone();
+        self.maintenance = Some(tokio::spawn(async move {
+            let policy = signalweave_lake::MaintenancePolicy::default();
+            for table in [LakeTable::Events, LakeTable::Rejections] {
+                match lake.maintain(table, &policy).await {
+                    Ok(r) => tracing::debug!(table = table.name(), report = ?r, "maintenance pass"),
+                    Err(e) => {
+                        tracing::warn!(table = table.name(), error = %e, "maintenance pass failed")
+                    }
+                }
+            }
+        }));
     }
 
     fn fail_committing(&mut self, why: &str) {

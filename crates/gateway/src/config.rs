@@ -124,9 +124,15 @@ pub struct CommitPolicy {
         with = "humantime_serde"
     )]
     pub stall_after: Duration,
+    /// Run a lake maintenance pass (merge manifests, expire snapshots, delete what they
+    /// alone referenced) after this many commits; 0 disables it.
+    #[serde(default = "CommitPolicy::default_maintain_every")]
+    pub maintain_every: u64,
 }
 
 impl CommitPolicy {
+    /// Default maintenance cadence: every 60 commits (a minute at one commit per second).
+    pub const DEFAULT_MAINTAIN_EVERY: u64 = 60;
     /// Default group interval: 1 s.
     pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
     /// Default group size: 16 MiB.
@@ -143,6 +149,9 @@ impl CommitPolicy {
     fn default_stall_after() -> Duration {
         Self::DEFAULT_STALL_AFTER
     }
+    fn default_maintain_every() -> u64 {
+        Self::DEFAULT_MAINTAIN_EVERY
+    }
 }
 
 impl Default for CommitPolicy {
@@ -151,6 +160,7 @@ impl Default for CommitPolicy {
             interval: Self::DEFAULT_INTERVAL,
             max_bytes: Self::DEFAULT_MAX_BYTES,
             stall_after: Self::DEFAULT_STALL_AFTER,
+            maintain_every: Self::DEFAULT_MAINTAIN_EVERY,
         }
     }
 }

@@ -181,6 +181,7 @@ impl Gateway {
                 max_bytes: config.commit.max_bytes,
                 drain_timeout: DEFAULT_DRAIN_TIMEOUT,
                 tenants: config.tenants.len(),
+                maintain_every: config.commit.maintain_every,
             },
             Arc::clone(&pipeline),
             Arc::clone(&metrics),

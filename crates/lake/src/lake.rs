@@ -267,6 +267,15 @@ impl Lake {
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_meta", e))?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_snapshot_holds (catalog_name VARCHAR(255) NOT NULL, \
+             table_name VARCHAR(255) NOT NULL, holder VARCHAR(255) NOT NULL, \
+             snapshot_id BIGINT NOT NULL, updated_ms BIGINT NOT NULL, \
+             PRIMARY KEY (catalog_name, table_name, holder))",
+        )
+        .execute(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_snapshot_holds", e))?;
         let ns = NamespaceIdent::new(NAMESPACE.to_string());
         let exists = self
             .catalog
@@ -1087,5 +1096,9 @@ impl WrittenFiles {
     /// Rows in the files.
     pub fn rows(&self) -> u64 {
         self.rows
+    }
+
+    pub(crate) fn into_files(self) -> Vec<DataFile> {
+        self.files
     }
 }

@@ -21,8 +21,11 @@ pub const SUMMARY_BATCH_SEQ: &str = "signalweave.batch-seq";
 /// Table property: layout version written by this code.
 pub const PROP_LAYOUT_VERSION: &str = "signalweave.layout-version";
 
-/// Default snapshot retention: 7 days.
-pub const DEFAULT_MAX_SNAPSHOT_AGE_MS: i64 = 7 * 24 * 3600 * 1000;
+/// Default snapshot retention: 15 minutes (longer than the gateway's 10-minute dedup
+/// horizon). Tables take a commit about every second: every retained snapshot is a line
+/// of the metadata file that each commit rewrites. Positions that must live longer (a
+/// checkpoint, a backfill) are held in `sw_snapshot_holds`.
+pub const DEFAULT_MAX_SNAPSHOT_AGE_MS: i64 = 15 * 60 * 1000;
 /// Default number of snapshots always kept.
 pub const DEFAULT_MIN_SNAPSHOTS_TO_KEEP: u64 = 100;
 
@@ -121,6 +124,10 @@ impl LakeTable {
             // Conflicts come back to `Lake::append`, which re-checks the commit identity
             // before retrying; iceberg's own retry would re-apply blindly.
             ("commit.retry.num-retries", "0".to_string()),
+            (
+                crate::maintain::PROP_PREVIOUS_VERSIONS_MAX,
+                crate::maintain::DEFAULT_PREVIOUS_VERSIONS_MAX.to_string(),
+            ),
             (PROP_LAYOUT_VERSION, "1".to_string()),
         ]
         .into_iter()

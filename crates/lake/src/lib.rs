@@ -18,14 +18,17 @@
 //!
 //! iceberg-rust 0.10 commits appends only; everything here is an append or a read.
 
+mod compact;
 mod config;
 mod error;
 mod lake;
 mod layout;
 mod load;
+mod maintain;
 mod provider;
 mod sql;
 
+pub use compact::{CompactionPolicy, CompactionReport};
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use error::{LakeError, Result};
 pub use lake::{
@@ -37,5 +40,9 @@ pub use layout::{
     SUMMARY_WRITER_ID,
 };
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
+pub use maintain::{
+    DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
+    PROP_PREVIOUS_VERSIONS_MAX, Retention,
+};
 pub use provider::{LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

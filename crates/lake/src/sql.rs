@@ -77,19 +77,7 @@ impl Lake {
             .with_information_schema(true);
         let ctx = SessionContext::new_with_config(config);
         if let Warehouse::S3(s3) = &self.config().warehouse {
-            let store = object_store::aws::AmazonS3Builder::new()
-                .with_bucket_name(&s3.bucket)
-                .with_region(&s3.region)
-                .with_access_key_id(&s3.access_key_id)
-                .with_secret_access_key(&s3.secret_access_key)
-                .with_virtual_hosted_style_request(!s3.path_style)
-                .with_allow_http(true);
-            let store = match &s3.endpoint {
-                Some(e) => store.with_endpoint(e),
-                None => store,
-            }
-            .build()
-            .map_err(|e| LakeError::new(ErrorKind::Config, format!("S3 object store: {e}")))?;
+            let store = self.s3_store()?;
             let url = url::Url::parse(&format!("s3://{}", s3.bucket))
                 .map_err(|e| LakeError::new(ErrorKind::Config, format!("bucket URL: {e}")))?;
             ctx.runtime_env()
@@ -110,5 +98,30 @@ impl Lake {
             .map_err(|e| LakeError::datafusion("register schema", e))?;
         ctx.register_catalog(SQL_CATALOG, Arc::new(catalog));
         Ok(ctx)
+    }
+}
+
+impl Lake {
+    /// An object_store client for the S3 warehouse's bucket (listing, DataFusion scans).
+    pub(crate) fn s3_store(&self) -> Result<object_store::aws::AmazonS3> {
+        let Warehouse::S3(s3) = &self.config().warehouse else {
+            return Err(LakeError::new(
+                ErrorKind::Config,
+                "the warehouse is not on S3",
+            ));
+        };
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(&s3.bucket)
+            .with_region(&s3.region)
+            .with_access_key_id(&s3.access_key_id)
+            .with_secret_access_key(&s3.secret_access_key)
+            .with_virtual_hosted_style_request(!s3.path_style)
+            .with_allow_http(true);
+        match &s3.endpoint {
+            Some(e) => store.with_endpoint(e),
+            None => store,
+        }
+        .build()
+        .map_err(|e| LakeError::new(ErrorKind::Config, format!("S3 object store: {e}")))
     }
 }

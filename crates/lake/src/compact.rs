@@ -1,0 +1,467 @@
+//! Data-file compaction: bin-pack the small files of a partition into files of about the
+//! target size, rows sorted by the table's time column, committed as one `replace`
+//! snapshot on the project's own commit path (see [`crate::maintain`]).
+//!
+//! A replace snapshot adds no rows: the live tail skips it, so compacted data is never
+//! read twice. The replaced files stay until the snapshots that reference them expire.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use futures::{StreamExt, TryStreamExt, stream};
+use iceberg::scan::FileScanTask;
+use iceberg::spec::{
+    DataContentType, DataFile, ManifestContentType, ManifestFile, ManifestListWriter,
+    ManifestWriterBuilder, Operation, Snapshot, Summary,
+};
+use iceberg::table::Table;
+use serde::Serialize;
+use signalweave_model::ErrorKind;
+
+use crate::error::{LakeError, Result};
+use crate::lake::{CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake};
+use crate::layout::LakeTable;
+
+/// What [`Lake::compact`] does.
+#[derive(Debug, Clone)]
+pub struct CompactionPolicy {
+    /// Size of the files compaction writes (`write.target-file-size-bytes`).
+    pub target_file_bytes: u64,
+    /// Files smaller than this are candidates.
+    pub small_file_bytes: u64,
+    /// A partition is compacted once it holds this many small files.
+    pub min_input_files: usize,
+    /// Only this partition (day number since the epoch, as Iceberg's `day` transform).
+    pub partition_day: Option<i32>,
+}
+
+impl CompactionPolicy {
+    /// Default smallest group worth compacting: 5 files.
+    pub const DEFAULT_MIN_INPUT_FILES: usize = 5;
+}
+
+impl Default for CompactionPolicy {
+    fn default() -> Self {
+        let target = DEFAULT_TARGET_FILE_SIZE as u64;
+        Self {
+            target_file_bytes: target,
+            small_file_bytes: target * 3 / 4,
+            min_input_files: Self::DEFAULT_MIN_INPUT_FILES,
+            partition_day: None,
+        }
+    }
+}
+
+/// What a compaction did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CompactionReport {
+    /// Partitions compacted.
+    pub partitions: usize,
+    /// Files replaced.
+    pub files_removed: usize,
+    /// Files written.
+    pub files_added: usize,
+    /// Rows rewritten.
+    pub rows: u64,
+    /// Bytes of the replaced files.
+    pub bytes_removed: u64,
+    /// Bytes of the written files.
+    pub bytes_added: u64,
+    /// The replace snapshot, if one was committed.
+    pub snapshot_id: Option<i64>,
+    /// Lost CAS races (each rebuilt on the new base).
+    pub conflicts: u32,
+}
+
+const CONFLICT_ATTEMPTS: u32 = 50;
+
+fn ice(context: &str) -> impl FnOnce(iceberg::Error) -> LakeError + '_ {
+    move |e| LakeError::iceberg(context, e)
+}
+
+fn partition_day(file: &DataFile) -> Option<i32> {
+    file.partition().fields().first().and_then(|f| match f {
+        Some(iceberg::spec::Literal::Primitive(iceberg::spec::PrimitiveLiteral::Int(d))) => {
+            Some(*d)
+        }
+        _ => None,
+    })
+}
+
+impl Lake {
+    /// Compacts the small files of `table` (or of one day partition): see the module docs.
+    pub async fn compact(
+        &self,
+        table: LakeTable,
+        policy: &CompactionPolicy,
+    ) -> Result<CompactionReport> {
+        let mut report = CompactionReport::default();
+        let base = self.table(table).await?;
+        let md = base.metadata();
+        let Some(current) = md.current_snapshot() else {
+            return Ok(report);
+        };
+        let manifests = base
+            .manifest_list_reader(current)
+            .load()
+            .await
+            .map_err(ice("read manifest list"))?
+            .consume_entries()
+            .into_iter()
+            .filter(|m| m.content == ManifestContentType::Data)
+            .collect::<Vec<ManifestFile>>();
+        let io = base.file_io().clone();
+        let loaded: Vec<_> = stream::iter(manifests)
+            .map(|m| {
+                let io = io.clone();
+                async move { m.load_manifest(&io).await }
+            })
+            .buffered(8)
+            .try_collect()
+            .await
+            .map_err(ice("read manifest"))?;
+        let mut by_day: HashMap<Option<i32>, Vec<DataFile>> = HashMap::new();
+        for manifest in &loaded {
+            for e in manifest.entries().iter().filter(|e| e.is_alive()) {
+                let f = e.data_file();
+                if f.content_type() != DataContentType::Data
+                    || f.file_size_in_bytes() >= policy.small_file_bytes
+                {
+                    continue;
+                }
+                let day = partition_day(f);
+                if policy.partition_day.is_some() && policy.partition_day != day {
+                    continue;
+                }
+                by_day.entry(day).or_default().push(f.clone());
+            }
+        }
+        // Bins of about the target size, per partition, oldest files first.
+        let mut bins: Vec<Vec<DataFile>> = Vec::new();
+        for (_, mut files) in by_day {
+            if files.len() < policy.min_input_files.max(2) {
+                continue;
+            }
+            report.partitions += 1;
+            files.sort_by(|a, b| a.file_path().cmp(b.file_path()));
+            let mut bin = Vec::new();
+            let mut bytes = 0u64;
+            for f in files {
+                bytes += f.file_size_in_bytes();
+                bin.push(f);
+                if bytes >= policy.target_file_bytes {
+                    bins.push(std::mem::take(&mut bin));
+                    bytes = 0;
+                }
+            }
+            if bin.len() >= 2 {
+                bins.push(bin);
+            }
+        }
+        if bins.is_empty() {
+            return Ok(report);
+        }
+        let identity = CommitIdentity::new(
+            format!("compact-{}", uuid::Uuid::new_v4().simple()),
+            current.snapshot_id() as u64,
+        );
+        let mut added: Vec<DataFile> = Vec::new();
+        let mut removed: Vec<DataFile> = Vec::new();
+        for bin in bins {
+            let rows_in: u64 = bin.iter().map(|f| f.record_count()).sum();
+            let batch = self.read_sorted(&base, table, &bin).await?;
+            if batch.num_rows() as u64 != rows_in {
+                return Err(LakeError::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "compaction read {} rows from files that hold {rows_in}",
+                        batch.num_rows()
+                    ),
+                ));
+            }
+            let mut w = self.append_writer(table, &identity).await?;
+            w.write(&batch).await?;
+            let written = w.finish().await?;
+            report.rows += rows_in;
+            added.extend(written.into_files());
+            removed.extend(bin);
+        }
+        report.files_removed = removed.len();
+        report.files_added = added.len();
+        report.bytes_removed = removed.iter().map(|f| f.file_size_in_bytes()).sum();
+        report.bytes_added = added.iter().map(|f| f.file_size_in_bytes()).sum();
+        let removed_paths: HashSet<String> =
+            removed.iter().map(|f| f.file_path().to_string()).collect();
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let base = self.table(table).await?;
+            match self
+                .commit_replace(table, &base, &removed_paths, &added, &report)
+                .await
+            {
+                Ok(id) => {
+                    report.snapshot_id = Some(id);
+                    return Ok(report);
+                }
+                Err(e) if e.kind() == ErrorKind::Conflict => report.conflicts += 1,
+                Err(e) => {
+                    let io = base.file_io().clone();
+                    for f in &added {
+                        let _ = io.delete(f.file_path()).await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Err(LakeError::new(
+            ErrorKind::Conflict,
+            format!(
+                "{}: compaction lost {CONFLICT_ATTEMPTS} races in a row",
+                table.name()
+            ),
+        ))
+    }
+
+    async fn read_sorted(
+        &self,
+        base: &Table,
+        table: LakeTable,
+        files: &[DataFile],
+    ) -> Result<RecordBatch> {
+        let md = base.metadata();
+        let schema = md.current_schema().clone();
+        let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
+        let spec = Some(md.default_partition_spec().clone());
+        let tasks: Vec<FileScanTask> = files
+            .iter()
+            .map(|file| {
+                FileScanTask::builder()
+                    .with_file_size_in_bytes(file.file_size_in_bytes())
+                    .with_start(0)
+                    .with_length(file.file_size_in_bytes())
+                    .with_record_count(Some(file.record_count()))
+                    .with_data_file_path(file.file_path().to_string())
+                    .with_data_file_format(file.file_format())
+                    .with_schema(schema.clone())
+                    .with_project_field_ids(field_ids.clone())
+                    .with_partition(Some(file.partition().clone()))
+                    .with_partition_spec(spec.clone())
+                    .with_case_sensitive(true)
+                    .build()
+            })
+            .collect();
+        let batches = self.read_all(table, tasks).await?;
+        let arrow_schema = table.arrow_schema();
+        // The reader's batches carry the table's fields; rebuild them on the table's Arrow
+        // schema (with field ids) so the writer takes them.
+        let batches: Vec<RecordBatch> = batches
+            .into_iter()
+            .map(|b| RecordBatch::try_new(Arc::clone(&arrow_schema), b.columns().to_vec()))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| LakeError::arrow("compaction batch", e))?;
+        let all = arrow::compute::concat_batches(&arrow_schema, &batches)
+            .map_err(|e| LakeError::arrow("concatenate for compaction", e))?;
+        let time = all
+            .column_by_name(table.time_column())
+            .ok_or_else(|| LakeError::new(ErrorKind::Internal, "the time column is missing"))?;
+        let order = arrow::compute::sort_to_indices(time, None, None)
+            .map_err(|e| LakeError::arrow("sort by time", e))?;
+        arrow::compute::take_record_batch(&all, &order)
+            .map_err(|e| LakeError::arrow("reorder by time", e))
+    }
+
+    async fn commit_replace(
+        &self,
+        table: LakeTable,
+        base: &Table,
+        removed: &HashSet<String>,
+        added: &[DataFile],
+        report: &CompactionReport,
+    ) -> Result<i64> {
+        let md = base.metadata();
+        let current = md.current_snapshot().ok_or_else(|| {
+            LakeError::new(ErrorKind::Conflict, "the table lost its current snapshot")
+        })?;
+        let io = base.file_io().clone();
+        let manifests: Vec<ManifestFile> = base
+            .manifest_list_reader(current)
+            .load()
+            .await
+            .map_err(ice("read manifest list"))?
+            .consume_entries()
+            .into_iter()
+            .collect();
+        let snapshot_id = crate::maintain::fresh_snapshot_id(md);
+        let sequence = md.next_sequence_number();
+        let commit_uuid = uuid::Uuid::new_v4().simple().to_string();
+        let location = md.location();
+        let spec = md.default_partition_spec().as_ref().clone();
+        let schema = md.current_schema().clone();
+        let mut new_manifests: Vec<ManifestFile> = Vec::new();
+        let mut written: Vec<String> = Vec::new();
+        let mut still_live = 0usize;
+        for (n, m) in manifests.into_iter().enumerate() {
+            if m.content != ManifestContentType::Data {
+                new_manifests.push(m);
+                continue;
+            }
+            let manifest = m.load_manifest(&io).await.map_err(ice("read manifest"))?;
+            let touches = manifest
+                .entries()
+                .iter()
+                .any(|e| e.is_alive() && removed.contains(e.file_path()));
+            if !touches {
+                new_manifests.push(m);
+                continue;
+            }
+            let path = format!("{location}/metadata/{commit_uuid}-r{n}.avro");
+            written.push(path.clone());
+            let spec_m = md
+                .partition_spec_by_id(m.partition_spec_id)
+                .map(|s| s.as_ref().clone())
+                .unwrap_or_else(|| spec.clone());
+            let mut w = ManifestWriterBuilder::new(
+                io.new_output(&path).map_err(ice("open manifest"))?,
+                Some(snapshot_id),
+                schema.clone(),
+                spec_m,
+            )
+            .build_v2_data();
+            for e in manifest.entries().iter().filter(|e| e.is_alive()) {
+                let seq = e.sequence_number().unwrap_or(0);
+                let file_seq = Some(e.file_sequence_number.unwrap_or(seq));
+                if removed.contains(e.file_path()) {
+                    still_live += 1;
+                    w.add_delete_file(e.data_file().clone(), seq, file_seq)
+                        .map_err(ice("record a replaced file"))?;
+                } else {
+                    w.add_existing_file(
+                        e.data_file().clone(),
+                        e.snapshot_id().unwrap_or(current.snapshot_id()),
+                        seq,
+                        file_seq,
+                    )
+                    .map_err(ice("carry a file over"))?;
+                }
+            }
+            new_manifests.push(
+                w.write_manifest_file()
+                    .await
+                    .map_err(ice("write manifest"))?,
+            );
+        }
+        let cleanup = |written: Vec<String>| {
+            let io = io.clone();
+            async move {
+                for p in written {
+                    let _ = io.delete(&p).await;
+                }
+            }
+        };
+        if still_live != removed.len() {
+            cleanup(written).await;
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{}: {} of the files to replace are no longer live (another compaction?)",
+                    table.name(),
+                    removed.len() - still_live
+                ),
+            ));
+        }
+        let path = format!("{location}/metadata/{commit_uuid}-a.avro");
+        written.push(path.clone());
+        let mut w = ManifestWriterBuilder::new(
+            io.new_output(&path).map_err(ice("open manifest"))?,
+            Some(snapshot_id),
+            schema.clone(),
+            spec.clone(),
+        )
+        .build_v2_data();
+        for f in added {
+            w.add_file(f.clone(), sequence)
+                .map_err(ice("add a compacted file"))?;
+        }
+        new_manifests.push(
+            w.write_manifest_file()
+                .await
+                .map_err(ice("write manifest"))?,
+        );
+        let list_path = format!("{location}/metadata/snap-{snapshot_id}-0-{commit_uuid}.avro");
+        written.push(list_path.clone());
+        let mut list = ManifestListWriter::v2(
+            io.new_output(&list_path)
+                .map_err(ice("open manifest list"))?
+                .writer()
+                .await
+                .map_err(ice("open manifest list"))?,
+            snapshot_id,
+            Some(current.snapshot_id()),
+            sequence,
+        );
+        list.add_manifests(new_manifests.into_iter())
+            .map_err(ice("write manifest list"))?;
+        list.close().await.map_err(ice("close manifest list"))?;
+
+        let prev = &current.summary().additional_properties;
+        let total = |k: &str| prev.get(k).and_then(|v| v.parse::<i64>().ok());
+        let mut props: HashMap<String, String> = prev
+            .iter()
+            .filter(|(k, _)| k.starts_with("total-"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let files_delta = report.files_added as i64 - report.files_removed as i64;
+        let bytes_delta = report.bytes_added as i64 - report.bytes_removed as i64;
+        if let Some(t) = total("total-data-files") {
+            props.insert(
+                "total-data-files".into(),
+                (t + files_delta).max(0).to_string(),
+            );
+        }
+        if let Some(t) = total("total-files-size") {
+            props.insert(
+                "total-files-size".into(),
+                (t + bytes_delta).max(0).to_string(),
+            );
+        }
+        props.insert("added-data-files".into(), report.files_added.to_string());
+        props.insert(
+            "deleted-data-files".into(),
+            report.files_removed.to_string(),
+        );
+        props.insert("added-records".into(), report.rows.to_string());
+        props.insert("deleted-records".into(), report.rows.to_string());
+        props.insert("added-files-size".into(), report.bytes_added.to_string());
+        props.insert(
+            "removed-files-size".into(),
+            report.bytes_removed.to_string(),
+        );
+        let snapshot = Snapshot::builder()
+            .with_snapshot_id(snapshot_id)
+            .with_parent_snapshot_id(Some(current.snapshot_id()))
+            .with_sequence_number(sequence)
+            .with_timestamp_ms(chrono::Utc::now().timestamp_millis())
+            .with_manifest_list(list_path)
+            .with_summary(Summary {
+                operation: Operation::Replace,
+                additional_properties: props,
+            })
+            .with_schema_id(md.current_schema_id())
+            .build();
+        let new_md = md
+            .clone()
+            .into_builder(base.metadata_location().map(str::to_string))
+            .set_branch_snapshot(snapshot, iceberg::spec::MAIN_BRANCH)
+            .map_err(ice("add the replace snapshot"))?
+            .build()
+            .map_err(ice("build table metadata"))?
+            .metadata;
+        match self.commit_metadata(table, base, new_md).await {
+            Ok(()) => Ok(snapshot_id),
+            Err(e) => {
+                cleanup(written).await;
+                Err(e)
+            }
+        }
+    }
+}
