@@ -68,6 +68,19 @@ pub enum BenchCommand {
         #[arg(long, default_value = "catalog/gateway/dev.toml")]
         config: std::path::PathBuf,
     },
+    /// Query time over many small files (one per commit, as the gateway lands them),
+    /// before and after `lake compact`, and the ratio.
+    Compaction {
+        /// Small files (commits) to land first.
+        #[arg(long, default_value_t = 3_600)]
+        files: u64,
+        /// Rows per file.
+        #[arg(long, default_value_t = 250)]
+        rows: usize,
+        /// Runs of the query before and after (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// Range scan + GROUP BY through `signalweave sql` vs DataFusion on the same Parquet files.
     Scan {
         /// Events to land first (skipped if `events` already holds at least this many).
@@ -285,6 +298,73 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             }
         }
         BenchCommand::Gateway { .. } => unreachable!("handled above"),
+        BenchCommand::Compaction { files, rows, runs } => {
+            let spec = WorkloadSpec {
+                seed: 11,
+                events: files * (*rows as u64),
+                // About a day of event time over all files.
+                events_per_sec: (files * (*rows as u64) / 86_400).max(1),
+                dup_fraction: 0.0,
+                late_fraction: 0.0,
+                ..Default::default()
+            };
+            let data = batches(spec, *rows);
+            let started = Instant::now();
+            let merge = signalweave_lake::MaintenancePolicy {
+                expire: false,
+                ..Default::default()
+            };
+            for (i, b) in data.iter().enumerate() {
+                lake.append(
+                    LakeTable::Events,
+                    std::slice::from_ref(b),
+                    &CommitIdentity::new(format!("bench-compaction-{run_id}"), i as u64),
+                )
+                .await?;
+                if (i + 1) % 100 == 0 {
+                    lake.maintain(LakeTable::Events, &merge).await?;
+                }
+            }
+            println!(
+                "landed {} files of {rows} rows in {:.1} s",
+                data.len(),
+                started.elapsed().as_secs_f64()
+            );
+            let query = "SELECT market_id, event_type, count(*) AS n, sum(amount_minor) AS amount \
+                         FROM signalweave.events GROUP BY market_id, event_type";
+            let time_query = |lake: Lake| async move {
+                let mut times = Vec::new();
+                let mut groups = 0;
+                for _ in 0..*runs {
+                    let ctx = lake.session_context().await?;
+                    let t = Instant::now();
+                    let out = ctx.sql(query).await?.collect().await?;
+                    times.push(t.elapsed().as_secs_f64() * 1000.0);
+                    groups = out.iter().map(|b| b.num_rows()).sum::<usize>();
+                }
+                anyhow::Ok((median(times), groups))
+            };
+            let (before, g1) = time_query(lake.clone()).await?;
+            let files_before = lake.current_data_files(LakeTable::Events).await?.len();
+            let t = Instant::now();
+            let report = lake
+                .compact(LakeTable::Events, &signalweave_lake::CompactionPolicy::default())
+                .await?;
+            let compact_secs = t.elapsed().as_secs_f64();
+            let files_after = lake.current_data_files(LakeTable::Events).await?.len();
+            let (after, g2) = time_query(lake.clone()).await?;
+            if g1 != g2 {
+                bail!("the query's answer changed with compaction: {g1} groups, then {g2}");
+            }
+            println!(
+                "compaction: {} -> {} files ({} partitions, {} rows) in {compact_secs:.1} s",
+                files_before, files_after, report.partitions, report.rows
+            );
+            println!(
+                "GROUP BY over the day: before {before:.1} ms, after {after:.1} ms (median of {runs}); ratio before/after {:.2}",
+                before / after.max(1e-9)
+            );
+        }
         BenchCommand::Scan { events, runs } => {
             let current: u64 = lake
                 .snapshots(LakeTable::Events)
