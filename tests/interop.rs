@@ -144,6 +144,22 @@ async fn check(config: &LakeConfig) {
     assert_eq!(py["events"], rows, "after maintenance: pyiceberg row count");
     assert_eq!(py["distinct_event_ids"], rows);
     assert_eq!(py["amount_minor_sum"], sum);
+
+    // And after an erasure (an overwrite snapshot), the same rows as `signalweave sql`.
+    let e = lake
+        .erase_customer(&signalweave_lake::ErasureRequest {
+            customer_id: "c-6".into(),
+            reason: "interop".into(),
+            requested_by: "test".into(),
+        })
+        .await
+        .unwrap();
+    assert!(e.tables[0].rows > 0, "{e:?}");
+    let (rows2, sum2, _) = sql_figures(&lake).await;
+    assert_eq!(rows2, rows - e.tables[0].rows as i64);
+    let py = pyiceberg(config);
+    assert_eq!(py["events"], rows2, "after erasure: pyiceberg row count");
+    assert_eq!(py["amount_minor_sum"], sum2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -455,6 +455,131 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let evs = three_days();
+        for (i, chunk) in evs.chunks(300).enumerate() {
+            lake.append(
+                LakeTable::Events,
+                &[batch(chunk)],
+                &CommitIdentity::new("e", i as u64),
+            )
+            .await
+            .unwrap();
+        }
+        let mut per_customer: std::collections::HashMap<&str, usize> = Default::default();
+        for e in &evs {
+            if let Some(c) = e.customer_id.as_deref() {
+                *per_customer.entry(c).or_default() += 1;
+            }
+        }
+        let subject = per_customer
+            .iter()
+            .max_by_key(|(c, n)| (**n, std::cmp::Reverse(**c)))
+            .map(|(c, _)| c.to_string())
+            .unwrap();
+        let theirs: Vec<&Event> = evs
+            .iter()
+            .filter(|e| e.customer_id.as_deref() == Some(subject.as_str()))
+            .collect();
+        assert!(theirs.len() > 1);
+        // Rejection evidence that names one of the subject's events, and one that does not.
+        let raw_theirs = format!(
+            r#"{{"tenant":"{}","event_id":"{}","producer_id":"p"}}"#,
+            theirs[0].tenant, theirs[0].event_id
+        );
+        let raw_other =
+            r#"{"tenant":"tenant-0","event_id":"unrelated","producer_id":"p"}"#.to_string();
+        let rej = signalweave_lake::rejection_batch(
+            evs[0].event_time_us,
+            "test",
+            &[
+                (
+                    raw_theirs.as_bytes(),
+                    1,
+                    signalweave_model::Rejection::new(
+                        signalweave_model::ReasonCode::WrongType,
+                        "x",
+                    ),
+                ),
+                (
+                    raw_other.as_bytes(),
+                    2,
+                    signalweave_model::Rejection::new(
+                        signalweave_model::ReasonCode::WrongType,
+                        "y",
+                    ),
+                ),
+            ],
+        )
+        .unwrap();
+        lake.append(LakeTable::Rejections, &[rej], &CommitIdentity::new("r", 0))
+            .await
+            .unwrap();
+        let old_files = lake.current_data_files(LakeTable::Events).await.unwrap();
+        let report = lake
+            .erase_customer(&signalweave_lake::ErasureRequest {
+                customer_id: subject.clone(),
+                reason: "ticket-7".into(),
+                requested_by: "test".into(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            report.tables[0].rows,
+            theirs.len() as u64,
+            "{}: {report:?}",
+            b.name
+        );
+        assert_eq!(
+            report.tables[2].rows, 1,
+            "{}: the rejection naming their event",
+            b.name
+        );
+        assert!(report.event_time_range.is_some());
+        let q = format!("select count(*) from signalweave.events where customer_id = '{subject}'");
+        assert_eq!(count(&lake, &q).await, 0, "{}", b.name);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            (evs.len() - theirs.len()) as i64
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.rejections").await,
+            1
+        );
+        // No snapshot before the erasure survives, and the rewritten files are gone.
+        let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+        assert_eq!(snaps.len(), 1, "{}", b.name);
+        assert_eq!(snaps[0].operation, "overwrite");
+        let t = lake.table(LakeTable::Events).await.unwrap();
+        let now = lake.current_data_files(LakeTable::Events).await.unwrap();
+        let mut deleted = 0;
+        for f in old_files.difference(&now) {
+            assert!(
+                !t.file_io().exists(f).await.unwrap(),
+                "{}: {f} still exists",
+                b.name
+            );
+            deleted += 1;
+        }
+        assert_eq!(deleted, report.tables[0].files_rewritten);
+        // The record names the erasure, not the subject.
+        let pool = lake.control_pool();
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT subject_sha256, tables_json FROM sw_erasures")
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        assert!(
+            rows.iter()
+                .all(|(h, t)| h.len() == 64 && !t.contains(&subject) && !h.contains(&subject))
+        );
+        assert!(!rows.is_empty());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writers_never_lose_appends() {
     for b in support::backends() {
         let lake = open(&b).await;

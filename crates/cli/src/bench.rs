@@ -348,7 +348,10 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             let files_before = lake.current_data_files(LakeTable::Events).await?.len();
             let t = Instant::now();
             let report = lake
-                .compact(LakeTable::Events, &signalweave_lake::CompactionPolicy::default())
+                .compact(
+                    LakeTable::Events,
+                    &signalweave_lake::CompactionPolicy::default(),
+                )
                 .await?;
             let compact_secs = t.elapsed().as_secs_f64();
             let files_after = lake.current_data_files(LakeTable::Events).await?.len();

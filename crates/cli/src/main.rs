@@ -132,6 +132,24 @@ enum LakeCommand {
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
     },
+    /// Erase a data subject: remove the customer's events (and the late and rejected rows
+    /// that identify them) by rewriting the affected files, expire the snapshots that still
+    /// reference the old files and delete them; record the erasure (not the values) and
+    /// report what derived outputs must be recomputed.
+    Erase {
+        /// The customer to erase.
+        #[arg(long)]
+        customer_id: String,
+        /// Why (recorded, for example a ticket id).
+        #[arg(long)]
+        reason: String,
+        /// Who asked (recorded).
+        #[arg(long, env = "USER", default_value = "unknown")]
+        requested_by: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
     /// Expire snapshots by each table's retention rule and delete the manifest lists,
     /// manifests, data files and old metadata files only they referenced.
     Expire {
@@ -341,6 +359,69 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 &["table", "partitions", "files", "rows", "bytes", "snapshot"],
                 rows,
             )?;
+        }
+        Command::Lake(LakeCommand::Erase {
+            customer_id,
+            reason,
+            requested_by,
+            format,
+        }) => {
+            let lake = open_lake(&cli).await?;
+            let report = lake
+                .erase_customer(&signalweave_lake::ErasureRequest {
+                    customer_id: customer_id.clone(),
+                    reason: reason.clone(),
+                    requested_by: requested_by.clone(),
+                })
+                .await?;
+            let mut rows: Vec<Vec<String>> = report
+                .tables
+                .iter()
+                .map(|t| {
+                    vec![
+                        t.table.clone(),
+                        t.rows.to_string(),
+                        t.files_rewritten.to_string(),
+                        t.snapshot_id.map(|s| s.to_string()).unwrap_or_default(),
+                    ]
+                })
+                .collect();
+            rows.push(vec![
+                "(old files deleted)".into(),
+                String::new(),
+                report.data_files_deleted.to_string(),
+                format!("{} snapshots expired", report.snapshots_expired),
+            ]);
+            print_rows(
+                *format,
+                &["table", "rows erased", "files", "snapshot"],
+                rows,
+            )?;
+            if let Some((lo, hi)) = report.event_time_range {
+                eprintln!(
+                    "erasure {} recorded. Recompute derived outputs with a backfill over {} .. {} (markets: {}; event types: {}).",
+                    report.erasure_id,
+                    signalweave_model::format_rfc3339_micros(lo),
+                    signalweave_model::format_rfc3339_micros(hi),
+                    report
+                        .markets
+                        .iter()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    report
+                        .event_types
+                        .iter()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            } else {
+                eprintln!(
+                    "erasure {} recorded; no events of this customer were found.",
+                    report.erasure_id
+                );
+            }
         }
         Command::Lake(LakeCommand::Maintain {
             table,

@@ -74,7 +74,19 @@ pub struct CompactionReport {
     pub conflicts: u32,
 }
 
-const CONFLICT_ATTEMPTS: u32 = 50;
+pub(crate) const CONFLICT_ATTEMPTS: u32 = 50;
+
+/// What a rewrite commit changes: its operation and the file, byte and row deltas.
+#[derive(Debug, Clone)]
+pub(crate) struct RewriteStats {
+    pub operation: Operation,
+    pub files_added: usize,
+    pub files_removed: usize,
+    pub bytes_added: u64,
+    pub bytes_removed: u64,
+    pub rows_added: u64,
+    pub rows_removed: u64,
+}
 
 fn ice(context: &str) -> impl FnOnce(iceberg::Error) -> LakeError + '_ {
     move |e| LakeError::iceberg(context, e)
@@ -193,10 +205,19 @@ impl Lake {
         report.bytes_added = added.iter().map(|f| f.file_size_in_bytes()).sum();
         let removed_paths: HashSet<String> =
             removed.iter().map(|f| f.file_path().to_string()).collect();
+        let stats = RewriteStats {
+            operation: Operation::Replace,
+            files_added: report.files_added,
+            files_removed: report.files_removed,
+            bytes_added: report.bytes_added,
+            bytes_removed: report.bytes_removed,
+            rows_added: report.rows,
+            rows_removed: report.rows,
+        };
         for _ in 0..CONFLICT_ATTEMPTS {
             let base = self.table(table).await?;
             match self
-                .commit_replace(table, &base, &removed_paths, &added, &report)
+                .commit_replace(table, &base, &removed_paths, &added, &stats)
                 .await
             {
                 Ok(id) => {
@@ -270,13 +291,13 @@ impl Lake {
             .map_err(|e| LakeError::arrow("reorder by time", e))
     }
 
-    async fn commit_replace(
+    pub(crate) async fn commit_replace(
         &self,
         table: LakeTable,
         base: &Table,
         removed: &HashSet<String>,
         added: &[DataFile],
-        report: &CompactionReport,
+        report: &RewriteStats,
     ) -> Result<i64> {
         let md = base.metadata();
         let current = md.current_snapshot().ok_or_else(|| {
@@ -424,13 +445,17 @@ impl Lake {
                 (t + bytes_delta).max(0).to_string(),
             );
         }
+        if let Some(t) = total("total-records") {
+            let delta = report.rows_added as i64 - report.rows_removed as i64;
+            props.insert("total-records".into(), (t + delta).max(0).to_string());
+        }
         props.insert("added-data-files".into(), report.files_added.to_string());
         props.insert(
             "deleted-data-files".into(),
             report.files_removed.to_string(),
         );
-        props.insert("added-records".into(), report.rows.to_string());
-        props.insert("deleted-records".into(), report.rows.to_string());
+        props.insert("added-records".into(), report.rows_added.to_string());
+        props.insert("deleted-records".into(), report.rows_removed.to_string());
         props.insert("added-files-size".into(), report.bytes_added.to_string());
         props.insert(
             "removed-files-size".into(),
@@ -443,7 +468,7 @@ impl Lake {
             .with_timestamp_ms(chrono::Utc::now().timestamp_millis())
             .with_manifest_list(list_path)
             .with_summary(Summary {
-                operation: Operation::Replace,
+                operation: report.operation.clone(),
                 additional_properties: props,
             })
             .with_schema_id(md.current_schema_id())

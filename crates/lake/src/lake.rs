@@ -276,6 +276,15 @@ impl Lake {
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_snapshot_holds", e))?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_erasures (erasure_id VARCHAR(255) PRIMARY KEY, \
+             catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \
+             reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
+             erased_ms BIGINT NOT NULL, tables_json VARCHAR(4000) NOT NULL)",
+        )
+        .execute(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_erasures", e))?;
         let ns = NamespaceIdent::new(NAMESPACE.to_string());
         let exists = self
             .catalog

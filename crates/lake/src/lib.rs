@@ -20,6 +20,7 @@
 
 mod compact;
 mod config;
+mod erase;
 mod error;
 mod lake;
 mod layout;
@@ -30,6 +31,7 @@ mod sql;
 
 pub use compact::{CompactionPolicy, CompactionReport};
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
+pub use erase::{ErasureReport, ErasureRequest, TableErasure};
 pub use error::{LakeError, Result};
 pub use lake::{
     AppendOutcome, AppendWriter, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome,

@@ -63,6 +63,8 @@ pub struct MaintenancePolicy {
     pub orphan_safety_age: Option<Duration>,
     /// Overrides the table's retention properties for this pass.
     pub retention: Option<Retention>,
+    /// Expire held positions too (erasure only: the old files must go).
+    pub override_holds: bool,
 }
 
 /// Which snapshots expiry keeps: the newest `keep_last`, and every one younger than
@@ -92,6 +94,7 @@ impl Default for MaintenancePolicy {
             expire: true,
             orphan_safety_age: None,
             retention: None,
+            override_holds: false,
         }
     }
 }
@@ -238,6 +241,7 @@ impl Lake {
                 table,
                 chrono::Utc::now().timestamp_millis(),
                 policy.retention,
+                policy.override_holds,
                 &mut report,
             )
             .await?;
@@ -611,6 +615,7 @@ impl Lake {
         table: LakeTable,
         now_ms: i64,
         retention: Option<Retention>,
+        override_holds: bool,
         report: &mut MaintenanceReport,
     ) -> Result<()> {
         for _ in 0..CONFLICT_ATTEMPTS {
@@ -638,7 +643,11 @@ impl Lake {
                 Some(r) => (r.keep_last.max(1), r.max_age_ms),
                 None => (min_keep, max_age),
             };
-            let held = self.held_snapshots(table).await?;
+            let held = if override_holds {
+                HashSet::new()
+            } else {
+                self.held_snapshots(table).await?
+            };
             let mut all: Vec<&Arc<Snapshot>> = md.snapshots().collect();
             all.sort_by_key(|s| std::cmp::Reverse((s.sequence_number(), s.timestamp_ms())));
             // A held position keeps itself and every later snapshot: a tail reading

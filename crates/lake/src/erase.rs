@@ -1,0 +1,304 @@
+//! Erasure of a data subject: the customer's events are removed from `events`, and the
+//! rows that identify those events from `late_events` and `rejections`, by rewriting the
+//! affected data files (an `overwrite` snapshot on the project's own commit path). The
+//! snapshots that still reference the old files are then expired, whatever holds them,
+//! and the old files deleted, so the values are gone from storage, not only from the
+//! current snapshot. `sw_erasures` records what was erased, when, why and by whom, with
+//! counts and a SHA-256 of the subject, never the erased values. The report names the
+//! event-time range and keys whose derived outputs must be recomputed by a backfill.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+
+use arrow::array::{Array, AsArray, BooleanArray};
+use arrow::datatypes::TimestampMicrosecondType;
+use arrow_array::RecordBatch;
+use iceberg::spec::Operation;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use signalweave_model::ErrorKind;
+
+use crate::compact::{CONFLICT_ATTEMPTS, RewriteStats};
+use crate::error::{LakeError, Result};
+use crate::lake::{CommitIdentity, Lake};
+use crate::layout::LakeTable;
+use crate::maintain::{MaintenancePolicy, Retention};
+
+/// Who is erased, why, and on whose request.
+#[derive(Debug, Clone)]
+pub struct ErasureRequest {
+    /// The data subject: every event with this `customer_id`.
+    pub customer_id: String,
+    /// Why (for example a ticket number); recorded.
+    pub reason: String,
+    /// Who asked; recorded.
+    pub requested_by: String,
+}
+
+/// What one table lost.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TableErasure {
+    /// Table name.
+    pub table: String,
+    /// Rows removed.
+    pub rows: u64,
+    /// Data files rewritten.
+    pub files_rewritten: usize,
+    /// The overwrite snapshot, when rows were removed.
+    pub snapshot_id: Option<i64>,
+}
+
+/// What an erasure did and what it leaves to recompute.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ErasureReport {
+    /// Id of the record in `sw_erasures`.
+    pub erasure_id: String,
+    /// Per table.
+    pub tables: Vec<TableErasure>,
+    /// Snapshots expired so that no snapshot references the old files.
+    pub snapshots_expired: usize,
+    /// Old data files deleted.
+    pub data_files_deleted: usize,
+    /// Event-time range of the erased events (µs), for a backfill of derived outputs.
+    pub event_time_range: Option<(i64, i64)>,
+    /// Markets whose aggregates included erased events.
+    pub markets: BTreeSet<String>,
+    /// Event types of the erased events.
+    pub event_types: BTreeSet<String>,
+}
+
+fn column<'a>(b: &'a RecordBatch, name: &str) -> Result<&'a arrow::array::StringArray> {
+    b.column_by_name(name)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| LakeError::new(ErrorKind::Internal, format!("column {name} is missing")))
+}
+
+impl Lake {
+    /// Erases a data subject; see the module docs.
+    pub async fn erase_customer(&self, request: &ErasureRequest) -> Result<ErasureReport> {
+        if request.customer_id.is_empty() || request.reason.trim().is_empty() {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "an erasure needs a customer id and a reason",
+            ));
+        }
+        let erasure_id = format!("erase-{}", uuid::Uuid::new_v4().simple());
+        let mut report = ErasureReport {
+            erasure_id: erasure_id.clone(),
+            ..Default::default()
+        };
+        // Events first: their identities tell which late and rejected rows go too.
+        let customer = request.customer_id.clone();
+        let mut identities: HashSet<(String, String)> = HashSet::new();
+        let (events, erased) = self
+            .rewrite_without(LakeTable::Events, &erasure_id, |b| {
+                let c = column(b, "customer_id")?;
+                Ok((0..b.num_rows())
+                    .map(|i| Some(!(c.is_valid(i) && c.value(i) == customer)))
+                    .collect())
+            })
+            .await?;
+        for b in &erased {
+            let ids = column(b, "event_id")?;
+            let tenants = column(b, "tenant")?;
+            let markets = column(b, "market_id")?;
+            let types = column(b, "event_type")?;
+            let times = b
+                .column_by_name("event_time")
+                .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>());
+            for i in 0..b.num_rows() {
+                identities.insert((tenants.value(i).to_string(), ids.value(i).to_string()));
+                if markets.is_valid(i) {
+                    report.markets.insert(markets.value(i).to_string());
+                }
+                report.event_types.insert(types.value(i).to_string());
+                if let Some(t) = times {
+                    let v = t.value(i);
+                    report.event_time_range = Some(match report.event_time_range {
+                        None => (v, v),
+                        Some((lo, hi)) => (lo.min(v), hi.max(v)),
+                    });
+                }
+            }
+        }
+        report.tables.push(events);
+        for table in [LakeTable::LateEvents, LakeTable::Rejections] {
+            let ids = &identities;
+            let (t, _) = self
+                .rewrite_without(table, &erasure_id, |b| {
+                    let e = column(b, "event_id")?;
+                    let t = column(b, "tenant")?;
+                    Ok((0..b.num_rows())
+                        .map(|i| {
+                            let hit = e.is_valid(i)
+                                && t.is_valid(i)
+                                && ids.contains(&(t.value(i).to_string(), e.value(i).to_string()));
+                            Some(!hit)
+                        })
+                        .collect())
+                })
+                .await?;
+            report.tables.push(t);
+        }
+        // Expire every snapshot before the erasure, whatever holds it, and delete the
+        // files only they referenced: the old files with the subject's values.
+        for t in &report.tables {
+            if t.snapshot_id.is_none() {
+                continue;
+            }
+            let table = LakeTable::from_name(&t.table)?;
+            let policy = MaintenancePolicy {
+                min_manifests_to_merge: usize::MAX,
+                retention: Some(Retention {
+                    keep_last: 1,
+                    max_age_ms: 0,
+                }),
+                override_holds: true,
+                ..Default::default()
+            };
+            let r = self.maintain(table, &policy).await?;
+            report.snapshots_expired += r.snapshots_expired;
+            report.data_files_deleted += r.deleted.data_files;
+        }
+        self.record_erasure(request, &report).await?;
+        Ok(report)
+    }
+
+    /// Rewrites every data file of `table` holding a row `keep` rejects, without those
+    /// rows, in one overwrite commit. Returns the removed rows.
+    async fn rewrite_without(
+        &self,
+        table: LakeTable,
+        erasure_id: &str,
+        keep: impl Fn(&RecordBatch) -> Result<BooleanArray>,
+    ) -> Result<(TableErasure, Vec<RecordBatch>)> {
+        let mut out = TableErasure {
+            table: table.name().to_string(),
+            ..Default::default()
+        };
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let base = self.table(table).await?;
+            let Some(current) = base.metadata().current_snapshot_id() else {
+                return Ok((out, Vec::new()));
+            };
+            let plan = self
+                .plan_time_range(table, i64::MIN, i64::MAX, Some(current))
+                .await?;
+            let schema = table.arrow_schema();
+            let mut removed: HashSet<String> = HashSet::new();
+            let mut bytes_removed = 0u64;
+            let mut kept: Vec<RecordBatch> = Vec::new();
+            let mut erased: Vec<RecordBatch> = Vec::new();
+            let mut rows_removed_files = 0u64;
+            for task in plan.tasks {
+                let path = task.data_file_path.clone();
+                let size = task.file_size_in_bytes;
+                let batches = self.read_all(table, vec![task]).await?;
+                let batches: Vec<RecordBatch> = batches
+                    .into_iter()
+                    .map(|b| RecordBatch::try_new(Arc::clone(&schema), b.columns().to_vec()))
+                    .collect::<std::result::Result<_, _>>()
+                    .map_err(|e| LakeError::arrow("erasure batch", e))?;
+                let mut file_kept = Vec::new();
+                let mut hit = false;
+                let mut rows = 0u64;
+                for b in &batches {
+                    rows += b.num_rows() as u64;
+                    let mask = keep(b)?;
+                    let gone = arrow::compute::not(&mask)
+                        .map_err(|e| LakeError::arrow("erasure mask", e))?;
+                    let dropped = arrow::compute::filter_record_batch(b, &gone)
+                        .map_err(|e| LakeError::arrow("erasure filter", e))?;
+                    if dropped.num_rows() > 0 {
+                        hit = true;
+                        erased.push(dropped);
+                    }
+                    file_kept.push(
+                        arrow::compute::filter_record_batch(b, &mask)
+                            .map_err(|e| LakeError::arrow("erasure filter", e))?,
+                    );
+                }
+                if hit {
+                    removed.insert(path);
+                    bytes_removed += size;
+                    rows_removed_files += rows;
+                    kept.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
+                }
+            }
+            if removed.is_empty() {
+                return Ok((out, Vec::new()));
+            }
+            let rows_kept: u64 = kept.iter().map(|b| b.num_rows() as u64).sum();
+            let mut added = Vec::new();
+            if rows_kept > 0 {
+                let identity = CommitIdentity::new(format!("{erasure_id}-{}", table.name()), 0);
+                let mut w = self.append_writer(table, &identity).await?;
+                for b in &kept {
+                    w.write(b).await?;
+                }
+                added = w.finish().await?.into_files();
+            }
+            let stats = RewriteStats {
+                operation: if added.is_empty() {
+                    Operation::Delete
+                } else {
+                    Operation::Overwrite
+                },
+                files_added: added.len(),
+                files_removed: removed.len(),
+                bytes_added: added.iter().map(|f| f.file_size_in_bytes()).sum(),
+                bytes_removed,
+                rows_added: rows_kept,
+                rows_removed: rows_removed_files,
+            };
+            match self
+                .commit_replace(table, &base, &removed, &added, &stats)
+                .await
+            {
+                Ok(id) => {
+                    out.rows = rows_removed_files - rows_kept;
+                    out.files_rewritten = removed.len();
+                    out.snapshot_id = Some(id);
+                    return Ok((out, erased));
+                }
+                Err(e) => {
+                    for f in &added {
+                        let _ = base.file_io().delete(f.file_path()).await;
+                    }
+                    if e.kind() != ErrorKind::Conflict {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Err(LakeError::new(
+            ErrorKind::Conflict,
+            format!(
+                "{}: erasure lost {CONFLICT_ATTEMPTS} races in a row",
+                table.name()
+            ),
+        ))
+    }
+
+    async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
+        let subject = hex::encode(Sha256::digest(request.customer_id.as_bytes()));
+        let counts = serde_json::to_string(&report.tables).unwrap_or_default();
+        let sql = if self.config().is_sqlite() {
+            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, requested_by, erased_ms, tables_json) VALUES (?, ?, ?, ?, ?, ?, ?)"
+        } else {
+            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, requested_by, erased_ms, tables_json) VALUES ($1, $2, $3, $4, $5, $6, $7)"
+        };
+        sqlx::query(sql)
+            .bind(report.erasure_id.as_str())
+            .bind(self.config().catalog_name.as_str())
+            .bind(subject)
+            .bind(request.reason.as_str())
+            .bind(request.requested_by.as_str())
+            .bind(chrono::Utc::now().timestamp_millis())
+            .bind(counts)
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("record the erasure", e))?;
+        Ok(())
+    }
+}
