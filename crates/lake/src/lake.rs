@@ -150,6 +150,8 @@ pub struct Lake {
     /// Loaded tables (with their manifest caches), reused while their metadata location
     /// is still the catalog's current one.
     loaded: Arc<std::sync::Mutex<HashMap<LakeTable, Table>>>,
+    /// Contents of manifest lists and manifests read by maintenance (immutable files).
+    pub(crate) manifest_cache: Arc<std::sync::Mutex<crate::maintain::ManifestCache>>,
 }
 
 fn sqlx_url(config: &LakeConfig) -> String {
@@ -231,6 +233,7 @@ impl Lake {
             catalog: Arc::new(catalog),
             control,
             loaded: Arc::default(),
+            manifest_cache: Arc::default(),
         })
     }
 

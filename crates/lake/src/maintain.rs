@@ -154,6 +154,43 @@ pub(crate) fn fresh_snapshot_id(md: &TableMetadata) -> i64 {
     }
 }
 
+/// What maintenance has read of immutable manifest lists and manifests, by path: a pass
+/// reads only the files new since the last one. Bounded: cleared past a size.
+#[derive(Debug, Default)]
+pub struct ManifestCache {
+    lists: HashMap<String, Arc<Vec<ManifestFile>>>,
+    files: HashMap<String, Arc<Vec<String>>>,
+}
+
+impl ManifestCache {
+    const MAX_ENTRIES: usize = 20_000;
+
+    fn put_list(&mut self, path: String, list: Arc<Vec<ManifestFile>>) {
+        if self.lists.len() >= Self::MAX_ENTRIES {
+            self.lists.clear();
+        }
+        self.lists.insert(path, list);
+    }
+
+    fn put_manifest(&mut self, path: String, files: Arc<Vec<String>>) {
+        if self.files.len() >= Self::MAX_ENTRIES {
+            self.files.clear();
+        }
+        self.files.insert(path, files);
+    }
+
+    fn forget(&mut self, paths: &[String]) {
+        for p in paths {
+            self.lists.remove(p);
+            self.files.remove(p);
+        }
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Merged manifests written for a merge snapshot, kept across lost races.
 struct PreparedMerge {
     snapshot_id: i64,
@@ -289,9 +326,6 @@ impl Lake {
             if attempt == 0 {
                 report.manifests_before = manifests.len();
                 report.manifests_after = manifests.len();
-                if manifests.len() < policy.min_manifests_to_merge.max(2) {
-                    return Ok(());
-                }
             }
             let present: HashSet<&str> =
                 manifests.iter().map(|m| m.manifest_path.as_str()).collect();
@@ -303,17 +337,9 @@ impl Lake {
                 if let Some(p) = prepared.take() {
                     delete_all(base.file_io(), p.written).await;
                 }
-                let small: Vec<ManifestFile> = manifests
-                    .iter()
-                    .filter(|m| {
-                        m.content == ManifestContentType::Data
-                            && (m.manifest_length.max(0) as u64) < policy.manifest_target_bytes
-                    })
-                    .cloned()
-                    .collect();
-                if small.len() < 2 {
+                let Some(small) = merge_candidates(&manifests, policy) else {
                     return Ok(());
-                }
+                };
                 prepared = Some(self.write_merged(&base, current, small, policy).await?);
             }
             let Some(p) = prepared.as_ref() else {
@@ -580,17 +606,45 @@ impl Lake {
             .snapshots()
             .filter(|s| snapshot_ids.contains(&s.snapshot_id()))
         {
-            out.manifest_lists.insert(s.manifest_list().to_string());
-            let list = base
-                .manifest_list_reader(s)
-                .load()
-                .await
-                .map_err(ice("read manifest list"))?;
-            for m in list.consume_entries() {
-                manifests.entry(m.manifest_path.clone()).or_insert(m);
+            let path = s.manifest_list().to_string();
+            out.manifest_lists.insert(path.clone());
+            let cached = lock(&self.manifest_cache).lists.get(&path).cloned();
+            let list = match cached {
+                Some(l) => l,
+                None => {
+                    let l: Arc<Vec<ManifestFile>> = Arc::new(
+                        base.manifest_list_reader(s)
+                            .load()
+                            .await
+                            .map_err(ice("read manifest list"))?
+                            .consume_entries()
+                            .into_iter()
+                            .collect(),
+                    );
+                    lock(&self.manifest_cache).put_list(path, Arc::clone(&l));
+                    l
+                }
+            };
+            for m in list.iter() {
+                manifests
+                    .entry(m.manifest_path.clone())
+                    .or_insert_with(|| m.clone());
             }
         }
-        let loaded: Vec<_> = stream::iter(manifests.into_values())
+        let mut missing = Vec::new();
+        {
+            let cache = lock(&self.manifest_cache);
+            for (path, m) in manifests {
+                match cache.files.get(&path) {
+                    Some(files) => {
+                        out.data_files.extend(files.iter().cloned());
+                        out.manifests.insert(path);
+                    }
+                    None => missing.push(m),
+                }
+            }
+        }
+        let loaded: Vec<_> = stream::iter(missing)
             .map(|m| {
                 let io = io.clone();
                 async move { m.load_manifest(&io).await.map(|l| (m.manifest_path, l)) }
@@ -600,12 +654,19 @@ impl Lake {
             .await
             .map_err(ice("read manifest"))?;
         for (path, manifest) in loaded {
-            out.manifests.insert(path);
-            for e in manifest.entries() {
-                if e.is_alive() && e.data_file().content_type() == DataContentType::Data {
-                    out.data_files.insert(e.file_path().to_string());
-                }
-            }
+            let files: Arc<Vec<String>> = Arc::new(
+                manifest
+                    .entries()
+                    .iter()
+                    .filter(|e| {
+                        e.is_alive() && e.data_file().content_type() == DataContentType::Data
+                    })
+                    .map(|e| e.file_path().to_string())
+                    .collect(),
+            );
+            out.data_files.extend(files.iter().cloned());
+            out.manifests.insert(path.clone());
+            lock(&self.manifest_cache).put_manifest(path, files);
         }
         Ok(out)
     }
@@ -698,6 +759,11 @@ impl Lake {
                     let lists = gone(&before.manifest_lists, &after.manifest_lists);
                     let manifests = gone(&before.manifests, &after.manifests);
                     let data = gone(&before.data_files, &after.data_files);
+                    {
+                        let mut cache = lock(&self.manifest_cache);
+                        cache.forget(&lists);
+                        cache.forget(&manifests);
+                    }
                     report.deleted.manifest_lists += delete_all(io, lists).await;
                     report.deleted.manifests += delete_all(io, manifests).await;
                     report.deleted.data_files += delete_all(io, data).await;
@@ -836,6 +902,46 @@ impl Lake {
         }
     }
 }
+
+/// Which manifests to merge, in two tiers so that no pass rewrites everything: fresh
+/// manifests (one per append, under 64 KiB) once there are `min_manifests_to_merge` of
+/// them, and merged ones still under the target size once there are 10 of them. Manifests
+/// at the target size stay as they are. The current snapshot thus holds fewer than
+/// `min_manifests_to_merge` + 10 manifests, plus one per target size of manifest data.
+fn merge_candidates(
+    manifests: &[ManifestFile],
+    policy: &MaintenancePolicy,
+) -> Option<Vec<ManifestFile>> {
+    let len = |m: &ManifestFile| m.manifest_length.max(0) as u64;
+    let data = || {
+        manifests
+            .iter()
+            .filter(|m| m.content == ManifestContentType::Data)
+    };
+    let fresh: Vec<ManifestFile> = data()
+        .filter(|m| len(m) < FRESH_MANIFEST_BYTES)
+        .cloned()
+        .collect();
+    let mid: Vec<ManifestFile> = data()
+        .filter(|m| len(m) >= FRESH_MANIFEST_BYTES && len(m) < policy.manifest_target_bytes)
+        .cloned()
+        .collect();
+    let fresh_due = fresh.len() >= policy.min_manifests_to_merge.max(2);
+    let mid_due = mid.len() >= MID_MANIFESTS_TO_MERGE;
+    let mut out = Vec::new();
+    if fresh_due {
+        out.extend(fresh);
+    }
+    if mid_due {
+        out.extend(mid);
+    }
+    (out.len() >= 2).then_some(out)
+}
+
+/// A manifest under this size is fresh (written by one append).
+const FRESH_MANIFEST_BYTES: u64 = 64 * 1024;
+/// Merged manifests under the target size are merged again once there are this many.
+const MID_MANIFESTS_TO_MERGE: usize = 10;
 
 async fn delete_all(io: &iceberg::io::FileIO, paths: Vec<String>) -> usize {
     stream::iter(paths)
