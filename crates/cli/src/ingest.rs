@@ -114,7 +114,8 @@ pub fn gateway_config(path: &Path) -> Result<GatewayConfig> {
     Ok(config)
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

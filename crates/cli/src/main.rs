@@ -112,6 +112,10 @@ enum LakeCommand {
         /// Also delete unreferenced files older than this (for example `1h`).
         #[arg(long, value_parser = humantime::parse_duration)]
         orphans_older_than: Option<std::time::Duration>,
+        /// Keep running: a pass every this long (for example `60s`), one at a time, until
+        /// SIGINT or SIGTERM; a failed pass is logged and the next one tries again.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        every: Option<std::time::Duration>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
@@ -427,7 +431,53 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             table,
             min_manifests,
             orphans_older_than,
+            every: Some(every),
+            ..
+        }) => {
+            let lake = open_lake(&cli).await?;
+            let tables = match table {
+                Some(t) => vec![LakeTable::from_name(t)?],
+                None => LakeTable::ALL.to_vec(),
+            };
+            let policy = signalweave_lake::MaintenancePolicy {
+                min_manifests_to_merge: *min_manifests,
+                orphan_safety_age: *orphans_older_than,
+                ..Default::default()
+            };
+            let stop = ingest::shutdown_signal();
+            tokio::pin!(stop);
+            loop {
+                for t in &tables {
+                    match lake.maintain(*t, &policy).await {
+                        Ok(r) => eprintln!(
+                            "{} {}: manifests {} -> {}, {} snapshots expired ({} held), {} files deleted",
+                            chrono::Utc::now().format("%H:%M:%S"),
+                            t.name(),
+                            r.manifests_before,
+                            r.manifests_after,
+                            r.snapshots_expired,
+                            r.snapshots_held,
+                            r.deleted.manifest_lists
+                                + r.deleted.manifests
+                                + r.deleted.data_files
+                                + r.deleted.metadata_files
+                                + r.deleted.orphans
+                        ),
+                        Err(e) => eprintln!("{}: maintenance pass failed: {e}", t.name()),
+                    }
+                }
+                tokio::select! {
+                    _ = &mut stop => break,
+                    _ = tokio::time::sleep(*every) => {}
+                }
+            }
+        }
+        Command::Lake(LakeCommand::Maintain {
+            table,
+            min_manifests,
+            orphans_older_than,
             format,
+            every: None,
         }) => {
             let lake = open_lake(&cli).await?;
             let tables = match table {
