@@ -552,6 +552,14 @@ impl Lake {
                 let snapshot_id = Self::find_commit(&committed, identity)
                     .or_else(|| committed.metadata().current_snapshot_id())
                     .unwrap_or_default();
+                // The committed table is the next append's base, unless another writer
+                // moves it first: `table()` revalidates its location before reuse, which
+                // spares re-reading the metadata file this commit just wrote.
+                if committed.metadata_location().is_some()
+                    && let Ok(mut m) = self.loaded.lock()
+                {
+                    m.insert(table, committed.clone());
+                }
                 Ok(AppendOutcome {
                     snapshot_id,
                     rows,
