@@ -208,6 +208,14 @@ enum FixturesCommand {
     },
 }
 
+/// The tables a `--table` option names: one, or all when it is absent.
+fn tables_arg(table: Option<&str>) -> Result<Vec<LakeTable>> {
+    Ok(match table {
+        Some(t) => vec![LakeTable::from_name(t)?],
+        None => LakeTable::ALL.to_vec(),
+    })
+}
+
 /// Reads the lake option: a directory (embedded) or a TOML profile file.
 fn lake_config(path: &Path) -> Result<LakeConfig> {
     if path.extension().is_some_and(|e| e == "toml") {
@@ -299,10 +307,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }) => {
             let max_age_ms = older_than_secs.map(|s| s.saturating_mul(1000));
             let lake = open_lake(&cli).await?;
-            let tables = match table {
-                Some(t) => vec![LakeTable::from_name(t)?],
-                None => LakeTable::ALL.to_vec(),
-            };
+            let tables = tables_arg(table.as_deref())?;
             for t in tables {
                 let before = lake.snapshots(t).await?.len();
                 let retention = (retain_last.is_some() || max_age_ms.is_some()).then(|| {
@@ -336,10 +341,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             format,
         }) => {
             let lake = open_lake(&cli).await?;
-            let tables = match table {
-                Some(t) => vec![LakeTable::from_name(t)?],
-                None => LakeTable::ALL.to_vec(),
-            };
+            let tables = tables_arg(table.as_deref())?;
             let epoch = chrono::NaiveDate::from_ymd_opt(1970, 1, 1).unwrap_or_default();
             let policy = signalweave_lake::CompactionPolicy {
                 min_input_files: *min_files,
@@ -431,64 +433,46 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             table,
             min_manifests,
             orphans_older_than,
-            every: Some(every),
-            ..
+            every,
+            format,
         }) => {
             let lake = open_lake(&cli).await?;
-            let tables = match table {
-                Some(t) => vec![LakeTable::from_name(t)?],
-                None => LakeTable::ALL.to_vec(),
-            };
+            let tables = tables_arg(table.as_deref())?;
             let policy = signalweave_lake::MaintenancePolicy {
                 min_manifests_to_merge: *min_manifests,
                 orphan_safety_age: *orphans_older_than,
                 ..Default::default()
             };
-            let stop = ingest::shutdown_signal();
-            tokio::pin!(stop);
-            loop {
-                for t in &tables {
-                    match lake.maintain(*t, &policy).await {
-                        Ok(r) => eprintln!(
-                            "{} {}: manifests {} -> {}, {} snapshots expired ({} held), {} files deleted",
-                            chrono::Utc::now().format("%H:%M:%S"),
-                            t.name(),
-                            r.manifests_before,
-                            r.manifests_after,
-                            r.snapshots_expired,
-                            r.snapshots_held,
-                            r.deleted.manifest_lists
-                                + r.deleted.manifests
-                                + r.deleted.data_files
-                                + r.deleted.metadata_files
-                                + r.deleted.orphans
-                        ),
-                        Err(e) => eprintln!("{}: maintenance pass failed: {e}", t.name()),
+            if let Some(every) = every {
+                let stop = ingest::shutdown_signal();
+                tokio::pin!(stop);
+                loop {
+                    for t in &tables {
+                        match lake.maintain(*t, &policy).await {
+                            Ok(r) => eprintln!(
+                                "{} {}: manifests {} -> {}, {} snapshots expired ({} held), {} files deleted",
+                                chrono::Utc::now().format("%H:%M:%S"),
+                                t.name(),
+                                r.manifests_before,
+                                r.manifests_after,
+                                r.snapshots_expired,
+                                r.snapshots_held,
+                                r.deleted.manifest_lists
+                                    + r.deleted.manifests
+                                    + r.deleted.data_files
+                                    + r.deleted.metadata_files
+                                    + r.deleted.orphans
+                            ),
+                            Err(e) => eprintln!("{}: maintenance pass failed: {e}", t.name()),
+                        }
+                    }
+                    tokio::select! {
+                        _ = &mut stop => break,
+                        _ = tokio::time::sleep(*every) => {}
                     }
                 }
-                tokio::select! {
-                    _ = &mut stop => break,
-                    _ = tokio::time::sleep(*every) => {}
-                }
+                return Ok(ExitCode::SUCCESS);
             }
-        }
-        Command::Lake(LakeCommand::Maintain {
-            table,
-            min_manifests,
-            orphans_older_than,
-            format,
-            every: None,
-        }) => {
-            let lake = open_lake(&cli).await?;
-            let tables = match table {
-                Some(t) => vec![LakeTable::from_name(t)?],
-                None => LakeTable::ALL.to_vec(),
-            };
-            let policy = signalweave_lake::MaintenancePolicy {
-                min_manifests_to_merge: *min_manifests,
-                orphan_safety_age: *orphans_older_than,
-                ..Default::default()
-            };
             let mut rows = Vec::new();
             for t in tables {
                 let r = lake.maintain(t, &policy).await?;

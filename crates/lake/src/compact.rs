@@ -6,7 +6,6 @@
 //! read twice. The replaced files stay until the snapshots that reference them expire.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use arrow_array::RecordBatch;
 use futures::{StreamExt, TryStreamExt, stream};
@@ -20,8 +19,11 @@ use serde::Serialize;
 use signalweave_model::ErrorKind;
 
 use crate::error::{LakeError, Result};
-use crate::lake::{CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake};
+use crate::lake::{
+    CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake, on_table_schema, whole_file_task,
+};
 use crate::layout::LakeTable;
+use crate::maintain::current_manifests;
 
 /// What [`Lake::compact`] does.
 #[derive(Debug, Clone)]
@@ -114,15 +116,11 @@ impl Lake {
         let Some(current) = md.current_snapshot() else {
             return Ok(report);
         };
-        let manifests = base
-            .manifest_list_reader(current)
-            .load()
-            .await
-            .map_err(ice("read manifest list"))?
-            .consume_entries()
+        let manifests: Vec<ManifestFile> = current_manifests(&base, current)
+            .await?
             .into_iter()
             .filter(|m| m.content == ManifestContentType::Data)
-            .collect::<Vec<ManifestFile>>();
+            .collect();
         let io = base.file_io().clone();
         let loaded: Vec<_> = stream::iter(manifests)
             .map(|m| {
@@ -255,31 +253,10 @@ impl Lake {
         let spec = Some(md.default_partition_spec().clone());
         let tasks: Vec<FileScanTask> = files
             .iter()
-            .map(|file| {
-                FileScanTask::builder()
-                    .with_file_size_in_bytes(file.file_size_in_bytes())
-                    .with_start(0)
-                    .with_length(file.file_size_in_bytes())
-                    .with_record_count(Some(file.record_count()))
-                    .with_data_file_path(file.file_path().to_string())
-                    .with_data_file_format(file.file_format())
-                    .with_schema(schema.clone())
-                    .with_project_field_ids(field_ids.clone())
-                    .with_partition(Some(file.partition().clone()))
-                    .with_partition_spec(spec.clone())
-                    .with_case_sensitive(true)
-                    .build()
-            })
+            .map(|file| whole_file_task(file, &schema, &field_ids, spec.clone()))
             .collect();
-        let batches = self.read_all(table, tasks).await?;
+        let batches = on_table_schema(table, self.read_all(table, tasks).await?)?;
         let arrow_schema = table.arrow_schema();
-        // The reader's batches carry the table's fields; rebuild them on the table's Arrow
-        // schema (with field ids) so the writer takes them.
-        let batches: Vec<RecordBatch> = batches
-            .into_iter()
-            .map(|b| RecordBatch::try_new(Arc::clone(&arrow_schema), b.columns().to_vec()))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| LakeError::arrow("compaction batch", e))?;
         let all = arrow::compute::concat_batches(&arrow_schema, &batches)
             .map_err(|e| LakeError::arrow("concatenate for compaction", e))?;
         let time = all
@@ -304,14 +281,7 @@ impl Lake {
             LakeError::new(ErrorKind::Conflict, "the table lost its current snapshot")
         })?;
         let io = base.file_io().clone();
-        let manifests: Vec<ManifestFile> = base
-            .manifest_list_reader(current)
-            .load()
-            .await
-            .map_err(ice("read manifest list"))?
-            .consume_entries()
-            .into_iter()
-            .collect();
+        let manifests = current_manifests(base, current).await?;
         let snapshot_id = crate::maintain::fresh_snapshot_id(md);
         let sequence = md.next_sequence_number();
         let commit_uuid = uuid::Uuid::new_v4().simple().to_string();

@@ -8,7 +8,6 @@
 //! event-time range and keys whose derived outputs must be recomputed by a backfill.
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::Arc;
 
 use arrow::array::{Array, AsArray, BooleanArray};
 use arrow::datatypes::TimestampMicrosecondType;
@@ -20,7 +19,7 @@ use signalweave_model::ErrorKind;
 
 use crate::compact::{CONFLICT_ATTEMPTS, RewriteStats};
 use crate::error::{LakeError, Result};
-use crate::lake::{CommitIdentity, Lake};
+use crate::lake::{CommitIdentity, Lake, on_table_schema};
 use crate::layout::LakeTable;
 use crate::maintain::{MaintenancePolicy, Retention};
 
@@ -184,7 +183,6 @@ impl Lake {
             let plan = self
                 .plan_time_range(table, i64::MIN, i64::MAX, Some(current))
                 .await?;
-            let schema = table.arrow_schema();
             let mut removed: HashSet<String> = HashSet::new();
             let mut bytes_removed = 0u64;
             let mut kept: Vec<RecordBatch> = Vec::new();
@@ -193,12 +191,7 @@ impl Lake {
             for task in plan.tasks {
                 let path = task.data_file_path.clone();
                 let size = task.file_size_in_bytes;
-                let batches = self.read_all(table, vec![task]).await?;
-                let batches: Vec<RecordBatch> = batches
-                    .into_iter()
-                    .map(|b| RecordBatch::try_new(Arc::clone(&schema), b.columns().to_vec()))
-                    .collect::<std::result::Result<_, _>>()
-                    .map_err(|e| LakeError::arrow("erasure batch", e))?;
+                let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
                 let mut file_kept = Vec::new();
                 let mut hit = false;
                 let mut rows = 0u64;

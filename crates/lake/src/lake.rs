@@ -929,21 +929,7 @@ impl Lake {
                         continue;
                     }
                     let file = entry.data_file();
-                    tasks.push(
-                        FileScanTask::builder()
-                            .with_file_size_in_bytes(file.file_size_in_bytes())
-                            .with_start(0)
-                            .with_length(file.file_size_in_bytes())
-                            .with_record_count(Some(file.record_count()))
-                            .with_data_file_path(file.file_path().to_string())
-                            .with_data_file_format(file.file_format())
-                            .with_schema(schema.clone())
-                            .with_project_field_ids(field_ids.clone())
-                            .with_partition(Some(file.partition().clone()))
-                            .with_partition_spec(spec.clone())
-                            .with_case_sensitive(true)
-                            .build(),
-                    );
+                    tasks.push(whole_file_task(file, &schema, &field_ids, spec.clone()));
                 }
             }
         }
@@ -1121,4 +1107,40 @@ impl WrittenFiles {
     pub(crate) fn into_files(self) -> Vec<DataFile> {
         self.files
     }
+}
+
+/// A task that reads all of `file` with `schema`, projecting `field_ids`.
+pub(crate) fn whole_file_task(
+    file: &DataFile,
+    schema: &iceberg::spec::SchemaRef,
+    field_ids: &[i32],
+    spec: Option<iceberg::spec::PartitionSpecRef>,
+) -> FileScanTask {
+    FileScanTask::builder()
+        .with_file_size_in_bytes(file.file_size_in_bytes())
+        .with_start(0)
+        .with_length(file.file_size_in_bytes())
+        .with_record_count(Some(file.record_count()))
+        .with_data_file_path(file.file_path().to_string())
+        .with_data_file_format(file.file_format())
+        .with_schema(schema.clone())
+        .with_project_field_ids(field_ids.to_vec())
+        .with_partition(Some(file.partition().clone()))
+        .with_partition_spec(spec)
+        .with_case_sensitive(true)
+        .build()
+}
+
+/// Batches read from `table` rebuilt on its Arrow schema (with field ids), so that a
+/// writer of the same table takes them.
+pub(crate) fn on_table_schema(
+    table: LakeTable,
+    batches: Vec<RecordBatch>,
+) -> Result<Vec<RecordBatch>> {
+    let schema = table.arrow_schema();
+    batches
+        .into_iter()
+        .map(|b| RecordBatch::try_new(Arc::clone(&schema), b.columns().to_vec()))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| LakeError::arrow(format!("{} batch", table.name()), e))
 }

@@ -154,6 +154,21 @@ pub(crate) fn fresh_snapshot_id(md: &TableMetadata) -> i64 {
     }
 }
 
+/// The manifests listed by `snapshot` of `base`.
+pub(crate) async fn current_manifests(
+    base: &Table,
+    snapshot: &iceberg::spec::SnapshotRef,
+) -> Result<Vec<ManifestFile>> {
+    Ok(base
+        .manifest_list_reader(snapshot)
+        .load()
+        .await
+        .map_err(ice("read manifest list"))?
+        .consume_entries()
+        .into_iter()
+        .collect())
+}
+
 /// What maintenance has read of immutable manifest lists and manifests, by path: a pass
 /// reads only the files new since the last one. Bounded: cleared past a size.
 #[derive(Debug, Default)]
@@ -315,14 +330,7 @@ impl Lake {
                     ),
                 ));
             }
-            let manifests: Vec<ManifestFile> = base
-                .manifest_list_reader(current)
-                .load()
-                .await
-                .map_err(ice("read manifest list"))?
-                .consume_entries()
-                .into_iter()
-                .collect();
+            let manifests = current_manifests(&base, current).await?;
             if attempt == 0 {
                 report.manifests_before = manifests.len();
                 report.manifests_after = manifests.len();
