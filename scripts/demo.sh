@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's first command: build signalweave, generate a day of commerce events,
 # load them into the embedded lake (./lake: SQLite catalog + local warehouse), query it,
-# then run the HTTP gateway on the same lake, send it live events with `signalweave
-# produce`, and query those.
+# then run `signalweave demo`: the gateway, the live market_aggregates job and the serving
+# API on the same lake, fed by a producer with late and duplicate events, ending with a
+# reconciliation of the outputs against an SQL recount of the landing table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/signalweave/target}
@@ -21,18 +22,8 @@ mkdir -p lake
 "$SW" lake tables
 echo "expected figures (from the generator): $(tr -d '\n ' < lake/demo.expected.json)"
 
-echo "== the gateway: live events over HTTP into the same lake"
-"$SW" gateway --listen 127.0.0.1:8088 2> lake/gateway.log &
-gw=$!
-trap 'kill -TERM $gw 2>/dev/null || true' EXIT
-for _ in $(seq 1 100); do
-  curl -sf http://127.0.0.1:8088/readyz >/dev/null 2>&1 && break
-  sleep 0.2
-done
-"$SW" produce --url http://127.0.0.1:8088 --token sw-dev-tenant-0 --tenant tenant-0 \
-  --producer-id demo-producer --rate 2000 --duration 5s --dup-fraction 0.01 --late-fraction 0.01 || true
-"$SW" sql "SELECT producer_id, count(*) AS events, max(ingest_time) AS last_ingest
-           FROM signalweave.events WHERE producer_id = 'demo-producer' GROUP BY producer_id"
-kill -TERM $gw && wait $gw
-trap - EXIT
-tail -n 1 lake/gateway.log
+echo "== live: gateway + live job + serving on the same lake, a producer with late and duplicate events"
+# Ends with a reconciliation of the job's outputs against an SQL recount (exit 1 if they differ).
+"$SW" demo --duration "${SW_DEMO_DURATION:-60s}" --rate "${SW_DEMO_RATE:-2000}"
+"$SW" sql "SELECT key, window_start, output_version, completeness, placed_count, placed_amount_minor
+           FROM signalweave.market_aggregates_current ORDER BY window_start DESC, key LIMIT 10"

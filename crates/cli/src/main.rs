@@ -7,6 +7,7 @@
 
 mod bench;
 mod ingest;
+mod live;
 #[macro_use]
 mod output;
 
@@ -77,6 +78,27 @@ enum Command {
     /// Generate deterministic fixture events.
     #[command(subcommand)]
     Fixtures(FixturesCommand),
+    /// Run live jobs: tail the landing table, checkpoint, commit versioned outputs.
+    Run(live::RunArgs),
+    /// Run everything in one process: gateway, live jobs, serving API, maintenance.
+    Up(live::UpArgs),
+    /// Show the live jobs of a running `up` (lag, watermark, checkpoints, freshness).
+    Status(live::StatusArgs),
+    /// The main job for a newcomer: gateway, live jobs and serving on the lake, a producer
+    /// with late and duplicate events, a live view, and a reconciliation at the end.
+    Demo(live::DemoArgs),
+    /// Compare a job's current outputs with an SQL recount of the landing table.
+    Recount {
+        /// The job spec.
+        #[arg(long, default_value = "jobs/market_aggregates.toml")]
+        job: PathBuf,
+        /// Output namespace.
+        #[arg(long, default_value = "live")]
+        namespace: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
     /// Run the ingestion gateway (HTTP) on the lake, until SIGTERM or SIGINT.
     Gateway(ingest::GatewayArgs),
     /// Send synthetic events to a gateway at a target rate; report acknowledgments,
@@ -212,7 +234,10 @@ enum FixturesCommand {
 fn tables_arg(table: Option<&str>) -> Result<Vec<LakeTable>> {
     Ok(match table {
         Some(t) => vec![LakeTable::from_name(t)?],
-        None => LakeTable::ALL.to_vec(),
+        None => LakeTable::ALL
+            .into_iter()
+            .chain(LakeTable::outputs())
+            .collect(),
     })
 }
 
@@ -232,6 +257,7 @@ fn lake_config(path: &Path) -> Result<LakeConfig> {
 async fn open_lake(cli: &Cli) -> Result<Lake> {
     let lake = Lake::open(lake_config(&cli.lake)?).await?;
     lake.init().await?;
+    lake.register_output_tables().await?;
     Ok(lake)
 }
 
@@ -265,7 +291,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Lake(LakeCommand::Tables { format }) => {
             let lake = open_lake(&cli).await?;
             let mut rows = Vec::new();
-            for table in LakeTable::ALL {
+            for table in LakeTable::ALL.into_iter().chain(LakeTable::outputs()) {
                 let snaps = lake.snapshots(table).await?;
                 let t = lake.table(table).await?;
                 let current = t.metadata().current_snapshot();
@@ -649,6 +675,55 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             return ingest::run_gateway(args, lake, registry).await;
         }
         Command::Produce(args) => return ingest::run_produce(args).await,
+        Command::Run(args) => {
+            let lake = open_lake(&cli).await?;
+            return live::run(lake, args).await;
+        }
+        Command::Up(args) => {
+            let lake = open_lake(&cli).await?;
+            let registry = SchemaRegistry::load_dir(&cli.schemas)
+                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            return live::up(lake, registry, args).await;
+        }
+        Command::Status(args) => return live::status(args).await,
+        Command::Demo(args) => {
+            let lake = open_lake(&cli).await?;
+            let registry = SchemaRegistry::load_dir(&cli.schemas)
+                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            return live::demo(lake, registry, args).await;
+        }
+        Command::Recount {
+            job,
+            namespace,
+            format,
+        } => {
+            let lake = open_lake(&cli).await?;
+            let spec = signalweave_window::JobSpec::from_file(job)
+                .with_context(|| format!("reading job spec {}", job.display()))?;
+            let r = live::reconcile(&lake, &spec, namespace).await?;
+            print_rows(
+                *format,
+                &[
+                    "job",
+                    "compared",
+                    "matched",
+                    "mismatched",
+                    "only_in_outputs",
+                    "only_in_recount",
+                ],
+                vec![vec![
+                    r.job.clone(),
+                    r.compared.to_string(),
+                    r.matched.to_string(),
+                    r.mismatched.to_string(),
+                    r.only_in_outputs.to_string(),
+                    r.only_in_recount.to_string(),
+                ]],
+            )?;
+            if r.mismatched + r.only_in_outputs + r.only_in_recount > 0 {
+                return Ok(ExitCode::from(1));
+            }
+        }
         Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;
@@ -665,6 +740,12 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         .or_else(|| {
             err.chain().find_map(|e| {
                 e.downcast_ref::<signalweave_gateway::GatewayError>()
+                    .map(|e| e.kind())
+            })
+        })
+        .or_else(|| {
+            err.chain().find_map(|e| {
+                e.downcast_ref::<signalweave_runner::RunnerError>()
                     .map(|e| e.kind())
             })
         })

@@ -137,8 +137,25 @@ pub struct IncrementalPlan {
     pub upto: Option<i64>,
     /// Snapshots in (after, upto] in commit order.
     pub snapshots: Vec<i64>,
+    /// Commit time of each of `snapshots`, ms since the epoch.
+    pub commit_ms: Vec<i64>,
     /// Files appended by those snapshots, in commit order.
     pub tasks: Vec<FileScanTask>,
+}
+
+/// What a tailing reader has not read yet (see [`Lake::backlog`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Backlog {
+    /// Snapshots after the reader's position.
+    pub snapshots: u64,
+    /// Data files they added.
+    pub files: u64,
+    /// Records they added.
+    pub records: u64,
+    /// Bytes of the files they added.
+    pub bytes: u64,
+    /// Commit time of the oldest unread snapshot, ms since the epoch.
+    pub oldest_commit_ms: Option<i64>,
 }
 
 /// The opened lake: catalog database, warehouse, and SignalWeave's tables.
@@ -304,35 +321,7 @@ impl Lake {
         }
         let mut created = Vec::new();
         for table in LakeTable::ALL {
-            let ident = Self::ident(table);
-            let exists = self
-                .catalog
-                .table_exists(&ident)
-                .await
-                .map_err(|e| LakeError::iceberg(format!("check {ident}"), e))?;
-            if exists {
-                created.push((table, false));
-                continue;
-            }
-            let schema = table.iceberg_schema()?;
-            let spec = table.partition_spec(&schema)?;
-            let creation = TableCreation::builder()
-                .name(table.name().to_string())
-                .schema(schema)
-                .partition_spec(spec)
-                .properties(table.properties())
-                .build();
-            match self.catalog.create_table(&ns, creation).await {
-                Ok(_) => created.push((table, true)),
-                Err(e) => {
-                    // As for the namespace: a concurrent creator may have won.
-                    if self.catalog.table_exists(&ident).await.unwrap_or(false) {
-                        created.push((table, false));
-                    } else {
-                        return Err(LakeError::iceberg(format!("create {ident}"), e));
-                    }
-                }
-            }
+            created.push((table, self.create_if_missing(table).await?));
         }
         let upsert = if self.config.is_sqlite() {
             "INSERT OR IGNORE INTO sw_meta (meta_key, meta_value) VALUES ('layout_version', '1')"
@@ -344,6 +333,118 @@ impl Lake {
             .await
             .map_err(|e| LakeError::sql("record layout version", e))?;
         Ok(created)
+    }
+
+    /// Creates `table` where missing; true when this call created it. A concurrent creator
+    /// that wins the race is not an error.
+    async fn create_if_missing(&self, table: LakeTable) -> Result<bool> {
+        let ns = NamespaceIdent::new(NAMESPACE.to_string());
+        let ident = Self::ident(table);
+        let exists = self
+            .catalog
+            .table_exists(&ident)
+            .await
+            .map_err(|e| LakeError::iceberg(format!("check {ident}"), e))?;
+        if exists {
+            return Ok(false);
+        }
+        let schema = table.iceberg_schema()?;
+        let spec = table.partition_spec(&schema)?;
+        let creation = TableCreation::builder()
+            .name(table.name().to_string())
+            .schema(schema)
+            .partition_spec(spec)
+            .properties(table.properties())
+            .build();
+        match self.catalog.create_table(&ns, creation).await {
+            Ok(_) => Ok(true),
+            Err(e) => {
+                // As for the namespace: a concurrent creator may have won.
+                if self.catalog.table_exists(&ident).await.unwrap_or(false) {
+                    Ok(false)
+                } else {
+                    Err(LakeError::iceberg(format!("create {ident}"), e))
+                }
+            }
+        }
+    }
+
+    /// Creates a job's output table where missing (see [`LakeTable::output`]); true when
+    /// this call created it. An existing table must have the registered columns.
+    pub async fn ensure_output_table(&self, table: LakeTable) -> Result<bool> {
+        if !table.is_output() {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                format!("{} is not an output table", table.name()),
+            ));
+        }
+        let created = {
+            let _ddl = ddl_lock(&self.config, &self.control).await?;
+            self.create_if_missing(table).await?
+        };
+        if !created {
+            let existing = self.table(table).await?;
+            let arrow =
+                iceberg::arrow::schema_to_arrow_schema(existing.metadata().current_schema())
+                    .map_err(|e| LakeError::iceberg(format!("schema of {}", table.name()), e))?;
+            let names = |fields: &arrow_schema::Fields| -> Vec<(String, arrow_schema::DataType)> {
+                fields
+                    .iter()
+                    .map(|f| (f.name().clone(), f.data_type().clone()))
+                    .collect()
+            };
+            if names(arrow.fields()) != names(table.arrow_schema().fields()) {
+                return Err(LakeError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "output table {} exists with other columns (a job's aggregates changed?): \
+                         write the new job version to a new output table or namespace",
+                        table.name()
+                    ),
+                ));
+            }
+        }
+        Ok(created)
+    }
+
+    /// Registers every output table in the catalog's `signalweave` namespace (tables that
+    /// are not built-in), so [`LakeTable::from_name`] and SQL find them. Returns them.
+    pub async fn register_output_tables(&self) -> Result<Vec<LakeTable>> {
+        let ns = NamespaceIdent::new(NAMESPACE.to_string());
+        if !self
+            .catalog
+            .namespace_exists(&ns)
+            .await
+            .map_err(|e| LakeError::iceberg("check namespace", e))?
+        {
+            return Ok(Vec::new());
+        }
+        let idents = self
+            .catalog
+            .list_tables(&ns)
+            .await
+            .map_err(|e| LakeError::iceberg("list tables", e))?;
+        let mut out = Vec::new();
+        for ident in idents {
+            let name = ident.name();
+            if LakeTable::ALL.iter().any(|t| t.name() == name) {
+                continue;
+            }
+            let t = self
+                .catalog
+                .load_table(&ident)
+                .await
+                .map_err(|e| LakeError::iceberg(format!("load {ident}"), e))?;
+            let arrow = iceberg::arrow::schema_to_arrow_schema(t.metadata().current_schema())
+                .map_err(|e| LakeError::iceberg(format!("schema of {ident}"), e))?;
+            match LakeTable::output(name, &arrow) {
+                Ok(table) => out.push(table),
+                Err(e) => {
+                    tracing::warn!(table = name, error = %e, "skipping a table SignalWeave cannot read")
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Loads a built-in table's current metadata.
@@ -833,13 +934,26 @@ impl Lake {
     }
 
     /// Plans the live tail's read: the data files appended by snapshots after `after`
-    /// (exclusive; None = from the start) up to the current snapshot. Snapshots that add
-    /// no new rows (`replace`, such as compaction) are skipped. Fails with `NotFound` when
+    /// (exclusive; None = from the start) up to the current snapshot. Only appends are
+    /// read: `replace` (compaction), `overwrite` and `delete` (erasure) add no new rows.
+    /// Fails with `NotFound` when
     /// `after` is no longer an ancestor of the current snapshot (expired position).
     pub async fn plan_appended_since(
         &self,
         table: LakeTable,
         after: Option<i64>,
+    ) -> Result<IncrementalPlan> {
+        self.plan_appended_bounded(table, after, usize::MAX).await
+    }
+
+    /// [`Lake::plan_appended_since`], reading at most `max_snapshots` snapshots after
+    /// `after` (the plan's `upto` is the last one read), so a reader far behind catches
+    /// up in bounded steps. Reading from the start is one step: the current snapshot.
+    pub async fn plan_appended_bounded(
+        &self,
+        table: LakeTable,
+        after: Option<i64>,
+        max_snapshots: usize,
     ) -> Result<IncrementalPlan> {
         let t = self.table(table).await?;
         let metadata = t.metadata();
@@ -848,6 +962,7 @@ impl Lake {
                 after,
                 upto: after,
                 snapshots: Vec::new(),
+                commit_ms: Vec::new(),
                 tasks: Vec::new(),
             });
         };
@@ -874,17 +989,37 @@ impl Lake {
             ));
         }
         chain.reverse();
+        // From the start of a table whose first snapshot is retained, the appends are read
+        // one by one like any other position's.
+        let from_root = after.is_none()
+            && chain
+                .first()
+                .is_some_and(|s| s.parent_snapshot_id().is_none());
+        if after.is_some() || from_root {
+            chain.truncate(max_snapshots.max(1));
+        } else {
+            // Earlier snapshots expired: the first step reads every live file of one
+            // snapshot (including files added by expired snapshots): the oldest retained
+            // one for a bounded read, the current one otherwise.
+            let target = if max_snapshots == usize::MAX {
+                chain.len().saturating_sub(1)
+            } else {
+                0
+            };
+            chain = chain.split_off(target);
+            chain.truncate(1);
+        }
         let snapshots: Vec<i64> = chain.iter().map(|s| s.snapshot_id()).collect();
-        if after.is_none() {
-            // From the start: every live file of the current snapshot, including those
-            // added by snapshots that have since expired.
+        let commit_ms: Vec<i64> = chain.iter().map(|s| s.timestamp_ms()).collect();
+        if after.is_none() && !from_root {
             let plan = self
-                .plan_time_range(table, i64::MIN, i64::MAX, Some(current.snapshot_id()))
+                .plan_time_range(table, i64::MIN, i64::MAX, snapshots.first().copied())
                 .await?;
             return Ok(IncrementalPlan {
                 after,
-                upto: Some(current.snapshot_id()),
+                upto: snapshots.first().copied(),
                 snapshots,
+                commit_ms,
                 tasks: plan.tasks,
             });
         }
@@ -892,7 +1027,9 @@ impl Lake {
         let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
         let mut tasks = Vec::new();
         for snapshot in &chain {
-            if snapshot.summary().operation == Operation::Replace {
+            // Only appends bring new rows: replace (compaction) rewrites rows already read,
+            // overwrite and delete (erasure) rewrite or remove them.
+            if snapshot.summary().operation != Operation::Append {
                 continue;
             }
             let list = t
@@ -935,10 +1072,51 @@ impl Lake {
         }
         Ok(IncrementalPlan {
             after,
-            upto: Some(current.snapshot_id()),
+            upto: snapshots.last().copied().or(after),
             snapshots,
+            commit_ms,
             tasks,
         })
+    }
+
+    /// What a reader at position `after` has not read yet: the snapshots after it up to the
+    /// current one (replace snapshots count as positions but add nothing), from their
+    /// summaries alone. Fails like [`Lake::plan_appended_since`] for an expired position.
+    pub async fn backlog(&self, table: LakeTable, after: Option<i64>) -> Result<Backlog> {
+        let t = self.table(table).await?;
+        let metadata = t.metadata();
+        let mut backlog = Backlog::default();
+        let mut cursor = metadata.current_snapshot().cloned();
+        let mut reached = after.is_none();
+        while let Some(s) = cursor {
+            if Some(s.snapshot_id()) == after {
+                reached = true;
+                break;
+            }
+            backlog.snapshots += 1;
+            if s.summary().operation != Operation::Replace {
+                let p = &s.summary().additional_properties;
+                let num = |k: &str| p.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                backlog.files += num("added-data-files");
+                backlog.records += num("added-records");
+                backlog.bytes += num("added-files-size");
+            }
+            backlog.oldest_commit_ms = Some(s.timestamp_ms());
+            cursor = s
+                .parent_snapshot_id()
+                .and_then(|p| metadata.snapshot_by_id(p).cloned());
+        }
+        if !reached {
+            return Err(LakeError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "position {} is not an ancestor of the current snapshot of {} (expired?)",
+                    after.unwrap_or_default(),
+                    table.name()
+                ),
+            ));
+        }
+        Ok(backlog)
     }
 
     /// Reads planned files of `table` as Arrow batches.

@@ -3,7 +3,7 @@
 //! so batches built by `signalweave-model` write straight into the tables.
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use arrow_schema::{DataType, Field, Schema as ArrowSchema, SchemaRef, TimeUnit};
 use iceberg::spec::{Schema, Transform, UnboundPartitionSpec};
@@ -38,6 +38,56 @@ pub enum LakeTable {
     Rejections,
     /// `signalweave.late_events`: records a job classified as later than its allowed lateness.
     LateEvents,
+    /// A job's output table (one per job and namespace), registered with
+    /// [`LakeTable::output`].
+    Output(&'static OutputTable),
+}
+
+/// The layout of a job's output table: versioned output rows, partitioned by
+/// `day(window_start)`.
+///
+/// Output tables are interned: one registration per name for the life of the process,
+/// so [`LakeTable`] stays `Copy` (a process knows a handful of jobs and namespaces).
+#[derive(Debug)]
+pub struct OutputTable {
+    name: String,
+    schema: SchemaRef,
+}
+
+impl OutputTable {
+    /// Table name inside [`NAMESPACE`].
+    pub fn name(&'static self) -> &'static str {
+        &self.name
+    }
+}
+
+impl PartialEq for OutputTable {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for OutputTable {}
+
+impl std::hash::Hash for OutputTable {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+    }
+}
+
+/// The time column of every output table.
+pub const OUTPUT_TIME_COLUMN: &str = "window_start";
+
+static OUTPUT_TABLES: LazyLock<Mutex<HashMap<String, &'static OutputTable>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn valid_table_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
 }
 
 impl LakeTable {
@@ -54,21 +104,88 @@ impl LakeTable {
             LakeTable::Events => "events",
             LakeTable::Rejections => "rejections",
             LakeTable::LateEvents => "late_events",
+            LakeTable::Output(t) => t.name(),
         }
     }
 
-    /// Looks a table up by name (`events` or `signalweave.events`).
+    /// Registers (or finds) the output table `name` with the columns of `schema`
+    /// (a job's output schema). Field ids are assigned in column order. Fails with
+    /// `InvalidInput` for a bad name, a built-in table's name, or a name already
+    /// registered with other columns.
+    pub fn output(name: &str, schema: &ArrowSchema) -> Result<Self> {
+        if !valid_table_name(name) || Self::ALL.iter().any(|t| t.name() == name) {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "`{name}` cannot be an output table: use lower-case letters, digits and \
+                     `_`, starting with a letter, and not a built-in table's name"
+                ),
+            ));
+        }
+        let with_ids = Arc::new(ArrowSchema::new(
+            schema
+                .fields()
+                .iter()
+                .enumerate()
+                .map(|(i, f)| field(i + 1, f.name(), f.data_type().clone(), f.is_nullable()))
+                .collect::<Vec<_>>(),
+        ));
+        let mut tables = OUTPUT_TABLES
+            .lock()
+            .map_err(|_| LakeError::new(ErrorKind::Internal, "output table registry poisoned"))?;
+        if let Some(existing) = tables.get(name) {
+            if existing.schema.fields() != with_ids.fields() {
+                return Err(LakeError::new(
+                    ErrorKind::InvalidInput,
+                    format!("output table `{name}` is already registered with other columns"),
+                ));
+            }
+            return Ok(LakeTable::Output(existing));
+        }
+        let table: &'static OutputTable = Box::leak(Box::new(OutputTable {
+            name: name.to_string(),
+            schema: with_ids,
+        }));
+        tables.insert(name.to_string(), table);
+        Ok(LakeTable::Output(table))
+    }
+
+    /// The registered output tables.
+    pub fn outputs() -> Vec<LakeTable> {
+        let mut out: Vec<LakeTable> = OUTPUT_TABLES
+            .lock()
+            .map(|m| m.values().map(|t| LakeTable::Output(t)).collect())
+            .unwrap_or_default();
+        out.sort_by_key(|t| t.name());
+        out
+    }
+
+    /// True for a job's output table.
+    pub fn is_output(self) -> bool {
+        matches!(self, LakeTable::Output(_))
+    }
+
+    /// Looks a table up by name (`events` or `signalweave.events`); output tables are
+    /// found once registered (see [`crate::Lake::register_output_tables`]).
     pub fn from_name(name: &str) -> Result<Self> {
         let short = name.strip_prefix("signalweave.").unwrap_or(name);
-        Self::ALL
-            .into_iter()
-            .find(|t| t.name() == short)
-            .ok_or_else(|| {
-                LakeError::new(
-                    ErrorKind::NotFound,
-                    format!("no table `{name}`; tables are events, rejections, late_events"),
-                )
-            })
+        if let Some(t) = Self::ALL.into_iter().find(|t| t.name() == short) {
+            return Ok(t);
+        }
+        if let Some(t) = OUTPUT_TABLES
+            .lock()
+            .ok()
+            .and_then(|m| m.get(short).copied())
+        {
+            return Ok(LakeTable::Output(t));
+        }
+        Err(LakeError::new(
+            ErrorKind::NotFound,
+            format!(
+                "no table `{name}`; tables are events, rejections, late_events and the \
+                 jobs' output tables"
+            ),
+        ))
     }
 
     /// The Arrow schema batches must have.
@@ -77,6 +194,7 @@ impl LakeTable {
             LakeTable::Events => events_arrow_schema(),
             LakeTable::Rejections => Arc::clone(&REJECTIONS_SCHEMA),
             LakeTable::LateEvents => Arc::clone(&LATE_EVENTS_SCHEMA),
+            LakeTable::Output(t) => Arc::clone(&t.schema),
         }
     }
 
@@ -85,6 +203,7 @@ impl LakeTable {
         match self {
             LakeTable::Events | LakeTable::LateEvents => "event_time",
             LakeTable::Rejections => "received_at",
+            LakeTable::Output(_) => OUTPUT_TIME_COLUMN,
         }
     }
 

@@ -18,6 +18,7 @@
 //!
 //! iceberg-rust 0.10 commits appends only; everything here is an append or a read.
 
+mod blob;
 mod compact;
 mod config;
 mod erase;
@@ -34,12 +35,12 @@ pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use erase::{ErasureReport, ErasureRequest, TableErasure};
 pub use error::{LakeError, Result};
 pub use lake::{
-    AppendOutcome, AppendWriter, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome,
+    AppendOutcome, AppendWriter, Backlog, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome,
     IncrementalPlan, Lake, ScanPlan, SnapshotInfo, WrittenFiles,
 };
 pub use layout::{
-    LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, REJECTIONS_SCHEMA, SUMMARY_BATCH_SEQ,
-    SUMMARY_WRITER_ID,
+    LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,
+    SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID,
 };
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
 pub use maintain::{

@@ -33,16 +33,30 @@ pub enum AsOf {
 
 impl Lake {
     /// A session with every table registered under `signalweave`, reading current snapshots.
+    ///
+    /// Each job output table `<t>` also gets a view `<t>_current`: the highest
+    /// `output_version` of every output identity, without withdrawn (retracted) ones.
     pub async fn session_context(&self) -> Result<SessionContext> {
-        let choices = LakeTable::ALL.map(|t| (t, SnapshotChoice::Current));
-        self.context_with(&choices)
+        let choices: Vec<_> = self
+            .all_tables()
+            .await?
+            .into_iter()
+            .map(|t| (t, SnapshotChoice::Current))
+            .collect();
+        self.context_with(&choices).await
+    }
+
+    async fn all_tables(&self) -> Result<Vec<LakeTable>> {
+        let mut tables = LakeTable::ALL.to_vec();
+        tables.extend(self.register_output_tables().await?);
+        Ok(tables)
     }
 
     /// A session whose tables are pinned as `as_of` says.
     pub async fn session_context_as_of(&self, as_of: AsOf) -> Result<SessionContext> {
         let mut choices = Vec::new();
         let mut pinned_any = false;
-        for table in LakeTable::ALL {
+        for table in self.all_tables().await? {
             let choice = match as_of {
                 AsOf::Timestamp(ms) => match self.snapshot_as_of(table, ms).await? {
                     Some(id) => SnapshotChoice::At(id),
@@ -68,10 +82,13 @@ impl Lake {
                 format!("no table retains snapshot {id}"),
             ));
         }
-        self.context_with(&choices)
+        self.context_with(&choices).await
     }
 
-    fn context_with(&self, choices: &[(LakeTable, SnapshotChoice)]) -> Result<SessionContext> {
+    async fn context_with(
+        &self,
+        choices: &[(LakeTable, SnapshotChoice)],
+    ) -> Result<SessionContext> {
         let config = SessionConfig::new()
             .with_default_catalog_and_schema(SQL_CATALOG, NAMESPACE)
             .with_information_schema(true);
@@ -97,8 +114,26 @@ impl Lake {
             .register_schema(NAMESPACE, schema)
             .map_err(|e| LakeError::datafusion("register schema", e))?;
         ctx.register_catalog(SQL_CATALOG, Arc::new(catalog));
+        for (table, _) in choices.iter().filter(|(t, _)| t.is_output()) {
+            let name = table.name();
+            ctx.sql(&format!(
+                "CREATE VIEW {SQL_CATALOG}.{NAMESPACE}.{}",
+                current_view(name)
+            ))
+            .await
+            .map_err(|e| LakeError::datafusion(format!("create view {name}_current"), e))?;
+        }
         Ok(ctx)
     }
+}
+
+/// `<t>_current AS <query>`: the current version of every output identity of `t`.
+fn current_view(table: &str) -> String {
+    format!(
+        "{table}_current AS SELECT * EXCLUDE (sw_rank) FROM (SELECT *, row_number() OVER \
+         (PARTITION BY job, namespace, key, window_start, window_end ORDER BY output_version DESC) \
+         AS sw_rank FROM {SQL_CATALOG}.{NAMESPACE}.{table}) WHERE sw_rank = 1 AND NOT retracted"
+    )
 }
 
 impl Lake {

@@ -318,7 +318,12 @@ impl WindowEngine {
         self.watermarks.current()
     }
 
-    /// The key group of a key.
+    /// Per-input watermark progress (for metrics: watermark delay per input).
+    pub fn watermarks(&self) -> &Watermarks {
+        &self.watermarks
+    }
+
+    /// The key group `key` hashes into.
     pub fn key_group_of(&self, key: &str) -> u16 {
         (xxhash_rust::xxh3::xxh3_64(key.as_bytes()) % u64::from(self.config.key_groups)) as u16
     }

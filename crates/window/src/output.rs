@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use arrow::array::{
     ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, RecordBatch, StringBuilder,
-    TimestampMicrosecondBuilder, UInt32Builder, UInt64Builder,
+    TimestampMicrosecondBuilder,
 };
 use arrow::compute::take;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
@@ -122,24 +122,25 @@ pub struct BatchOutcome {
     pub late: Vec<LateRecord>,
 }
 
-/// The Arrow schema of a job's output table.
+/// The Arrow schema of a job's output table (types an Iceberg table stores as they are:
+/// versions and counts are `Int64`).
 pub fn output_schema(spec: &JobSpec) -> SchemaRef {
     let ts = || DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into()));
     let mut fields = vec![
         Field::new("job", DataType::Utf8, false),
         Field::new("namespace", DataType::Utf8, false),
-        Field::new("job_version", DataType::UInt32, false),
+        Field::new("job_version", DataType::Int64, false),
         Field::new("key", DataType::Utf8, false),
         Field::new("window_start", ts(), false),
         Field::new("window_end", ts(), false),
-        Field::new("output_version", DataType::UInt32, false),
+        Field::new("output_version", DataType::Int64, false),
         Field::new("completeness", DataType::Utf8, false),
         Field::new("retracted", DataType::Boolean, false),
         Field::new("watermark", ts(), false),
         Field::new("emitted_at", ts(), false),
         Field::new("first_event_time", ts(), false),
         Field::new("last_event_time", ts(), false),
-        Field::new("events", DataType::UInt64, false),
+        Field::new("events", DataType::Int64, false),
     ];
     for a in &spec.aggregates {
         let dt = match a.function {
@@ -165,12 +166,12 @@ pub fn outputs_to_batch(
         StringBuilder::new(),
         StringBuilder::new(),
     );
-    let mut jv = UInt32Builder::with_capacity(n);
-    let mut ver = UInt32Builder::with_capacity(n);
+    let mut jv = Int64Builder::with_capacity(n);
+    let mut ver = Int64Builder::with_capacity(n);
     let mut retracted = BooleanBuilder::with_capacity(n);
     let (mut ws, mut we, mut wm, mut at, mut first, mut last) =
         (ts(), ts(), ts(), ts(), ts(), ts());
-    let mut events = UInt64Builder::with_capacity(n);
+    let mut events = Int64Builder::with_capacity(n);
     let mut ints: Vec<Int64Builder> = Vec::new();
     let mut floats: Vec<Float64Builder> = Vec::new();
     for a in &spec.aggregates {
@@ -182,18 +183,18 @@ pub fn outputs_to_batch(
     for r in rows {
         job.append_value(&spec.name);
         ns.append_value(namespace);
-        jv.append_value(spec.version);
+        jv.append_value(i64::from(spec.version));
         key.append_value(&r.key);
         ws.append_value(r.window_start);
         we.append_value(r.window_end);
-        ver.append_value(r.output_version);
+        ver.append_value(i64::from(r.output_version));
         comp.append_value(r.completeness.as_str());
         retracted.append_value(r.retracted);
         wm.append_value(r.watermark);
         at.append_value(r.emitted_at);
         first.append_value(r.first_event_time);
         last.append_value(r.last_event_time);
-        events.append_value(u64::try_from(r.events).unwrap_or(0));
+        events.append_value(r.events);
         let (mut i, mut f) = (0, 0);
         for (a, v) in spec.aggregates.iter().zip(&r.values) {
             if a.function == AggregateFunction::Avg {

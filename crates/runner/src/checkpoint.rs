@@ -1,0 +1,416 @@
+//! Checkpoints: the source position, the window-engine state and the sink epoch, recorded
+//! together.
+//!
+//! A checkpoint of epoch `e` is one blob in object storage (`_signalweave/checkpoints/
+//! <job>/<namespace>/<e>-<uuid>.ckpt`) and one row in `sw_checkpoints` naming it. The job's
+//! current checkpoint is the epoch in `sw_checkpoint_pointers`, moved by compare-and-set
+//! in the catalog database (never by S3 conditional writes).
+//!
+//! The blob also carries the outputs and late records the epoch emitted, so the sink can
+//! commit them again after a crash: the sink commit of epoch `e` is the commit point, and a
+//! restart that finds it rolls the pointer forward to `e` (see [`crate::live`]).
+//!
+//! Retention: the current checkpoint and the [`CheckpointStore::retire`]`(keep)` newest
+//! before it are kept; older rows and blobs are deleted, and so are prepared checkpoints
+//! newer than the pointer that no sink commit made current (a crash's leftovers).
+
+use serde::{Deserialize, Serialize};
+use signalweave_lake::Lake;
+use signalweave_model::ErrorKind;
+use signalweave_window::OutputRow;
+
+use crate::error::{Result, RunnerError};
+use crate::late::LateEvent;
+
+/// Version of the checkpoint blob format.
+pub const CHECKPOINT_FORMAT_VERSION: u32 = 1;
+const MAGIC: &[u8; 4] = b"SWCK";
+
+/// One checkpoint: what the job had processed and held at the end of an epoch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// Job name.
+    pub job: String,
+    /// Output namespace.
+    pub namespace: String,
+    /// Job version of the spec that wrote it.
+    pub job_version: u32,
+    /// Epoch (1, 2, ...): the sink commits of this checkpoint carry it.
+    pub epoch: u64,
+    /// Last processed snapshot of the source (None: nothing read yet).
+    pub position: Option<i64>,
+    /// The window engine's state (its own versioned format).
+    pub engine_state: Vec<u8>,
+    /// Output rows emitted in this epoch, committed by the sink.
+    pub outputs: Vec<OutputRow>,
+    /// Late records classified in this epoch, committed to `late_events`.
+    pub late: Vec<LateEvent>,
+    /// When it was taken, ms since the epoch.
+    pub created_ms: i64,
+}
+
+impl Checkpoint {
+    /// The blob: magic, format version, then the checkpoint (postcard).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(self.engine_state.len() + 1024);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&CHECKPOINT_FORMAT_VERSION.to_le_bytes());
+        postcard::to_io(self, &mut out).map_err(|e| {
+            RunnerError::new(ErrorKind::Internal, format!("encode checkpoint: {e}"))
+        })?;
+        Ok(out)
+    }
+
+    /// Parses a blob written by [`Checkpoint::to_bytes`].
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() < 8 || &bytes[..4] != MAGIC {
+            return Err(RunnerError::new(
+                ErrorKind::InvalidInput,
+                "not a SignalWeave checkpoint",
+            ));
+        }
+        let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        if version != CHECKPOINT_FORMAT_VERSION {
+            return Err(RunnerError::new(
+                ErrorKind::Config,
+                format!(
+                    "checkpoint format {version} is not supported (this build reads {CHECKPOINT_FORMAT_VERSION})"
+                ),
+            ));
+        }
+        postcard::from_bytes(&bytes[8..]).map_err(|e| {
+            RunnerError::new(ErrorKind::InvalidInput, format!("decode checkpoint: {e}"))
+        })
+    }
+}
+
+/// A recorded checkpoint (its `sw_checkpoints` row).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckpointRef {
+    /// Epoch.
+    pub epoch: u64,
+    /// Blob location.
+    pub location: String,
+    /// Source position.
+    pub position: Option<i64>,
+    /// Blob size, bytes.
+    pub bytes: u64,
+    /// When it was taken, ms since the epoch.
+    pub created_ms: i64,
+}
+
+/// Checkpoints of one job and namespace.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    lake: Lake,
+    job: String,
+    namespace: String,
+    sqlite: bool,
+}
+
+impl CheckpointStore {
+    /// The store of `job` in `namespace`. Creates the control tables where missing.
+    pub async fn open(lake: Lake, job: &str, namespace: &str) -> Result<Self> {
+        let store = Self {
+            sqlite: lake.config().is_sqlite(),
+            lake,
+            job: job.to_string(),
+            namespace: namespace.to_string(),
+        };
+        store.create_tables().await?;
+        Ok(store)
+    }
+
+    async fn create_tables(&self) -> Result<()> {
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS sw_checkpoints (job VARCHAR(255) NOT NULL, \
+             namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, location VARCHAR(2000) NOT NULL, \
+             source_position BIGINT, blob_bytes BIGINT NOT NULL, created_ms BIGINT NOT NULL, \
+             PRIMARY KEY (job, namespace, epoch))",
+            "CREATE TABLE IF NOT EXISTS sw_checkpoint_pointers (job VARCHAR(255) NOT NULL, \
+             namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, updated_ms BIGINT NOT NULL, \
+             PRIMARY KEY (job, namespace))",
+        ] {
+            sqlx::query(ddl)
+                .execute(self.lake.control_pool())
+                .await
+                .map_err(|e| RunnerError::sql("create checkpoint tables", e))?;
+        }
+        Ok(())
+    }
+
+    /// `$n` placeholders for PostgreSQL, `?n` for SQLite.
+    fn q(&self, sql: &str) -> String {
+        if self.sqlite {
+            sql.replace('$', "?")
+        } else {
+            sql.to_string()
+        }
+    }
+
+    /// The holder name of this job's snapshot holds.
+    pub fn holder(&self) -> String {
+        format!("job:{}:{}", self.job, self.namespace)
+    }
+
+    /// Writes `checkpoint`'s blob and records it as prepared (not yet current).
+    pub async fn write(&self, checkpoint: &Checkpoint) -> Result<CheckpointRef> {
+        let bytes = checkpoint.to_bytes()?;
+        let size = bytes.len() as u64;
+        let location = self.lake.blob_location(&format!(
+            "checkpoints/{}/{}/{:012}-{}.ckpt",
+            self.job,
+            self.namespace,
+            checkpoint.epoch,
+            uuid::Uuid::new_v4().simple()
+        ));
+        self.lake.put_blob(&location, bytes).await?;
+        // A crash's leftover row for the same epoch is replaced (its blob is deleted below).
+        let old = self.row(checkpoint.epoch).await?;
+        sqlx::query(
+            &self.q("DELETE FROM sw_checkpoints WHERE job = $1 AND namespace = $2 AND epoch = $3"),
+        )
+        .bind(&self.job)
+        .bind(&self.namespace)
+        .bind(checkpoint.epoch as i64)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| RunnerError::sql("replace a prepared checkpoint", e))?;
+        sqlx::query(&self.q(
+            "INSERT INTO sw_checkpoints (job, namespace, epoch, location, source_position, blob_bytes, created_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        ))
+        .bind(&self.job)
+        .bind(&self.namespace)
+        .bind(checkpoint.epoch as i64)
+        .bind(&location)
+        .bind(checkpoint.position)
+        .bind(size as i64)
+        .bind(checkpoint.created_ms)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| RunnerError::sql("record a checkpoint", e))?;
+        if let Some(old) = old
+            && old.location != location
+            && let Err(e) = self.lake.delete_blob(&old.location).await
+        {
+            tracing::warn!(location = %old.location, error = %e, "could not delete a replaced checkpoint blob");
+        }
+        Ok(CheckpointRef {
+            epoch: checkpoint.epoch,
+            location,
+            position: checkpoint.position,
+            bytes: size,
+            created_ms: checkpoint.created_ms,
+        })
+    }
+
+    /// The current epoch (None: the job has never checkpointed).
+    pub async fn pointer(&self) -> Result<Option<u64>> {
+        let row: Option<(i64,)> = sqlx::query_as(
+            &self.q("SELECT epoch FROM sw_checkpoint_pointers WHERE job = $1 AND namespace = $2"),
+        )
+        .bind(&self.job)
+        .bind(&self.namespace)
+        .fetch_optional(self.lake.control_pool())
+        .await
+        .map_err(|e| RunnerError::sql("read the checkpoint pointer", e))?;
+        Ok(row.map(|(e,)| e as u64))
+    }
+
+    /// Moves the pointer from `from` to `to` by compare-and-set. `Conflict` when it was
+    /// not at `from` (another instance of the job moved it).
+    pub async fn advance(&self, from: Option<u64>, to: u64) -> Result<()> {
+        let now = chrono::Utc::now().timestamp_millis();
+        let moved = match from {
+            None => sqlx::query(&self.q(
+                "INSERT INTO sw_checkpoint_pointers (job, namespace, epoch, updated_ms) VALUES ($1, $2, $3, $4)",
+            ))
+            .bind(&self.job)
+            .bind(&self.namespace)
+            .bind(to as i64)
+            .bind(now)
+            .execute(self.lake.control_pool())
+            .await
+            .map(|r| r.rows_affected())
+            .or_else(|e| match e {
+                sqlx::Error::Database(d) if d.is_unique_violation() => Ok(0),
+                e => Err(RunnerError::sql("create the checkpoint pointer", e)),
+            })?,
+            Some(from) => sqlx::query(&self.q(
+                "UPDATE sw_checkpoint_pointers SET epoch = $1, updated_ms = $2 \
+                 WHERE job = $3 AND namespace = $4 AND epoch = $5",
+            ))
+            .bind(to as i64)
+            .bind(now)
+            .bind(&self.job)
+            .bind(&self.namespace)
+            .bind(from as i64)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("move the checkpoint pointer", e))?
+            .rows_affected(),
+        };
+        if moved != 1 {
+            return Err(RunnerError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "the checkpoint pointer of {}/{} is no longer at epoch {}: another instance of the job is running",
+                    self.job,
+                    self.namespace,
+                    from.map(|e| e.to_string())
+                        .unwrap_or_else(|| "(none)".into())
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn row(&self, epoch: u64) -> Result<Option<CheckpointRef>> {
+        Ok(self
+            .rows(&self.q(
+                "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
+                 WHERE job = $1 AND namespace = $2 AND epoch = $3",
+            ), Some(epoch))
+            .await?
+            .pop())
+    }
+
+    async fn rows(&self, sql: &str, epoch: Option<u64>) -> Result<Vec<CheckpointRef>> {
+        let mut query = sqlx::query_as::<_, (i64, String, Option<i64>, i64, i64)>(sql)
+            .bind(&self.job)
+            .bind(&self.namespace);
+        if let Some(e) = epoch {
+            query = query.bind(e as i64);
+        }
+        let rows = query
+            .fetch_all(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("read checkpoints", e))?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(epoch, location, position, bytes, created_ms)| CheckpointRef {
+                    epoch: epoch as u64,
+                    location,
+                    position,
+                    bytes: bytes as u64,
+                    created_ms,
+                },
+            )
+            .collect())
+    }
+
+    /// Every recorded checkpoint, newest first.
+    pub async fn list(&self) -> Result<Vec<CheckpointRef>> {
+        self.rows(
+            &self.q(
+                "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
+                 WHERE job = $1 AND namespace = $2 ORDER BY epoch DESC",
+            ),
+            None,
+        )
+        .await
+    }
+
+    /// Loads the checkpoint of `epoch`.
+    pub async fn load(&self, epoch: u64) -> Result<(CheckpointRef, Checkpoint)> {
+        let r = self.row(epoch).await?.ok_or_else(|| {
+            RunnerError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "checkpoint {epoch} of {}/{} is not recorded",
+                    self.job, self.namespace
+                ),
+            )
+        })?;
+        let bytes = self.lake.get_blob(&r.location).await?;
+        let checkpoint = Checkpoint::from_bytes(&bytes)?;
+        if checkpoint.epoch != epoch || checkpoint.job != self.job {
+            return Err(RunnerError::new(
+                ErrorKind::Internal,
+                format!(
+                    "checkpoint blob {} is not epoch {epoch} of {}",
+                    r.location, self.job
+                ),
+            ));
+        }
+        Ok((r, checkpoint))
+    }
+
+    /// Applies the retention rule around the current epoch `current`: keeps it and the
+    /// `keep` newest before it; deletes older checkpoints and every prepared one newer
+    /// than `current`. Returns how many it deleted.
+    pub async fn retire(&self, current: u64, keep: usize) -> Result<usize> {
+        let all = self.list().await?;
+        let mut older_kept = 0;
+        let mut doomed = Vec::new();
+        for r in all {
+            if r.epoch > current {
+                doomed.push(r);
+            } else if r.epoch < current {
+                if older_kept < keep {
+                    older_kept += 1;
+                } else {
+                    doomed.push(r);
+                }
+            }
+        }
+        for r in &doomed {
+            // The row goes first: a row never names a deleted blob.
+            sqlx::query(
+                &self.q(
+                    "DELETE FROM sw_checkpoints WHERE job = $1 AND namespace = $2 AND epoch = $3",
+                ),
+            )
+            .bind(&self.job)
+            .bind(&self.namespace)
+            .bind(r.epoch as i64)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("delete a checkpoint", e))?;
+            if let Err(e) = self.lake.delete_blob(&r.location).await {
+                tracing::warn!(location = %r.location, error = %e, "could not delete a checkpoint blob");
+            }
+        }
+        Ok(doomed.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_round_trips_and_a_foreign_blob_is_refused() {
+        let c = Checkpoint {
+            job: "j".into(),
+            namespace: "live".into(),
+            job_version: 2,
+            epoch: 7,
+            position: Some(42),
+            engine_state: vec![1, 2, 3],
+            outputs: Vec::new(),
+            late: Vec::new(),
+            created_ms: 5,
+        };
+        let bytes = c.to_bytes().unwrap();
+        assert_eq!(Checkpoint::from_bytes(&bytes).unwrap(), c);
+        assert_eq!(
+            Checkpoint::from_bytes(b"PAR1xxxx").unwrap_err().kind(),
+            ErrorKind::InvalidInput
+        );
+        let mut future = bytes.clone();
+        future[4] = 9;
+        assert_eq!(
+            Checkpoint::from_bytes(&future).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            Checkpoint::from_bytes(&bytes[..bytes.len() - 2])
+                .unwrap_err()
+                .kind(),
+            ErrorKind::InvalidInput
+        );
+    }
+}

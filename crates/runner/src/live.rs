@@ -1,0 +1,771 @@
+//! The live job: tail `signalweave.events` by snapshot, feed the window engine, and once
+//! per checkpoint interval commit the epoch's outputs and late records.
+//!
+//! # The checkpoint protocol
+//!
+//! Epoch `e` ends with:
+//! 1. the checkpoint blob of `e` (source position, engine state, the epoch's outputs and
+//!    late records) is written and recorded as *prepared*;
+//! 2. the sink commits the outputs to the job's output table and then the late records to
+//!    `late_events`, each an append whose snapshot summary carries the job, the namespace
+//!    and the epoch (commit identity `(sink writer, e)`);
+//! 3. the checkpoint pointer moves from `e - 1` to `e` by compare-and-set; the job holds its
+//!    source position and its sink snapshots against expiry.
+//!
+//! The first sink commit is the commit point. On start the job reads the pointer; if a
+//! prepared checkpoint after it has a sink commit, the pointer rolls forward to it. It then
+//! restores that checkpoint and commits its outputs and late records again: commits that
+//! exist are recognised by their identity and skipped, so replay is harmless. A crash
+//! before the first sink commit of `e` loses nothing: the job restarts from `e - 1` and
+//! reads the same snapshots again. Output versions that no commit made visible may be
+//! emitted again with other values; versions that were committed never are.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use signalweave_lake::{CommitIdentity, Lake, LakeTable};
+use signalweave_model::ErrorKind;
+use signalweave_window::{EngineConfig, JobSpec, OutputRow, WindowEngine, outputs_to_batch};
+
+use crate::checkpoint::{Checkpoint, CheckpointStore};
+use crate::error::{Result, RunnerError};
+use crate::freshness::{Freshness, STAGES};
+use crate::late::{self, LateEvent};
+use crate::metrics::{JobStatus, Labels, RunnerMetrics, SharedStatus};
+
+/// Snapshot summary key: the job of a sink commit.
+pub const SUMMARY_JOB: &str = "signalweave.job";
+/// Snapshot summary key: the namespace of a sink commit.
+pub const SUMMARY_NAMESPACE: &str = "signalweave.namespace";
+/// Snapshot summary key: the checkpoint epoch of a sink commit.
+pub const SUMMARY_EPOCH: &str = "signalweave.checkpoint-epoch";
+
+/// Where a fault drill stops the process (tests): `std::process::abort()`, which like
+/// kill -9 runs no destructor and flushes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultStage {
+    /// Before the checkpoint blob is written.
+    BeforeCheckpoint,
+    /// After the blob is recorded, before the sink commit.
+    AfterCheckpoint,
+    /// With the output data files written, before their commit.
+    MidCommit,
+    /// After the sink commits, before the checkpoint pointer moves.
+    AfterSinkCommit,
+}
+
+/// A fault drill: stop at `stage` of epoch `epoch` (`<stage>@<epoch>`, for example
+/// `after_sink_commit@3`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultPoint {
+    /// Where.
+    pub stage: FaultStage,
+    /// In which epoch.
+    pub epoch: u64,
+}
+
+impl FromStr for FaultPoint {
+    type Err = RunnerError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            RunnerError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "fault point `{s}`: expected <stage>@<epoch> with stage before_checkpoint, \
+                     after_checkpoint, mid_commit or after_sink_commit"
+                ),
+            )
+        };
+        let (stage, epoch) = s.split_once('@').ok_or_else(bad)?;
+        let stage = match stage {
+            "before_checkpoint" => FaultStage::BeforeCheckpoint,
+            "after_checkpoint" => FaultStage::AfterCheckpoint,
+            "mid_commit" => FaultStage::MidCommit,
+            "after_sink_commit" => FaultStage::AfterSinkCommit,
+            _ => return Err(bad()),
+        };
+        Ok(Self {
+            stage,
+            epoch: epoch.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// Options of a live job that are not part of its spec.
+#[derive(Debug, Clone)]
+pub struct LiveConfig {
+    /// Output namespace (`live`).
+    pub namespace: String,
+    /// Length of an epoch: outputs are committed and state checkpointed this often.
+    pub checkpoint_interval: Duration,
+    /// How often the source is polled for new snapshots.
+    pub poll_interval: Duration,
+    /// Most source snapshots read in one step.
+    pub max_snapshots_per_step: usize,
+    /// Checkpoints kept before the current one.
+    pub keep_checkpoints: usize,
+    /// Follow one event in this many for freshness.
+    pub freshness_sample_every: u64,
+    /// Key groups of the engine.
+    pub key_groups: u16,
+    /// A fault drill (tests only).
+    pub fault: Option<FaultPoint>,
+}
+
+impl Default for LiveConfig {
+    fn default() -> Self {
+        Self {
+            namespace: "live".into(),
+            checkpoint_interval: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(100),
+            max_snapshots_per_step: 32,
+            keep_checkpoints: 3,
+            freshness_sample_every: 8,
+            key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
+            fault: None,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Source snapshots read.
+    pub snapshots: usize,
+    /// Records read.
+    pub records: u64,
+    /// Output rows emitted (committed at the next checkpoint).
+    pub emitted: usize,
+    /// True when the step ended with a checkpoint.
+    pub checkpointed: bool,
+}
+
+/// The output table of `spec` in `namespace`: `<output.table>` for `live`,
+/// `<output.table>__<namespace>` otherwise.
+pub fn output_table(spec: &JobSpec, namespace: &str) -> Result<LakeTable> {
+    let name = if namespace == "live" {
+        spec.output.table.clone()
+    } else {
+        format!("{}__{namespace}", spec.output.table)
+    };
+    let name = name
+        .strip_prefix("signalweave.")
+        .unwrap_or(&name)
+        .to_string();
+    Ok(LakeTable::output(
+        &name,
+        &signalweave_window::output_schema(spec),
+    )?)
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+/// A live job: recovered from its checkpoint and ready to step.
+pub struct LiveJob {
+    lake: Lake,
+    spec: Arc<JobSpec>,
+    config: LiveConfig,
+    engine: WindowEngine,
+    store: CheckpointStore,
+    output: LakeTable,
+    /// Last processed source snapshot.
+    position: Option<i64>,
+    /// Last committed epoch.
+    epoch: u64,
+    /// The position of the last checkpoint.
+    checkpointed_position: Option<i64>,
+    pending_outputs: Vec<OutputRow>,
+    pending_late: Vec<LateEvent>,
+    last_checkpoint: Instant,
+    max_event_time: i64,
+    freshness: Freshness,
+    metrics: Arc<RunnerMetrics>,
+    status: SharedStatus,
+    labels: Labels,
+}
+
+impl std::fmt::Debug for LiveJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveJob")
+            .field("job", &self.spec.name)
+            .field("namespace", &self.config.namespace)
+            .field("epoch", &self.epoch)
+            .field("position", &self.position)
+            .finish()
+    }
+}
+
+impl LiveJob {
+    /// Recovers the job from its last checkpoint (rolling forward to a committed prepared
+    /// one), commits that checkpoint's outputs again (skipped where committed), and returns
+    /// it ready to continue from its source position.
+    pub async fn recover(
+        lake: Lake,
+        spec: Arc<JobSpec>,
+        config: LiveConfig,
+        metrics: Arc<RunnerMetrics>,
+    ) -> Result<Self> {
+        let namespace = config.namespace.clone();
+        let output = output_table(&spec, &namespace)?;
+        lake.ensure_output_table(output).await?;
+        let store = CheckpointStore::open(lake.clone(), &spec.name, &namespace).await?;
+        let labels: Labels = vec![
+            ("job".into(), spec.name.clone()),
+            ("namespace".into(), namespace.clone()),
+        ];
+        let status = Arc::new(Mutex::new(JobStatus {
+            job: spec.name.clone(),
+            namespace: namespace.clone(),
+            state: "starting".into(),
+            ..Default::default()
+        }));
+        let engine_config = EngineConfig {
+            namespace: namespace.clone(),
+            key_groups: config.key_groups,
+        };
+        let mut job = Self {
+            engine: WindowEngine::new(Arc::clone(&spec), engine_config.clone())?,
+            freshness: Freshness::new(config.freshness_sample_every),
+            lake,
+            spec,
+            config,
+            store,
+            output,
+            position: None,
+            epoch: 0,
+            checkpointed_position: None,
+            pending_outputs: Vec::new(),
+            pending_late: Vec::new(),
+            last_checkpoint: Instant::now(),
+            max_event_time: i64::MIN,
+            metrics,
+            status,
+            labels,
+        };
+        let mut pointer = job.store.pointer().await?;
+        // Roll forward: a prepared checkpoint after the pointer whose sink commit exists
+        // is the real current one (the crash came before the pointer moved).
+        for prepared in job.store.list().await? {
+            if prepared.epoch <= pointer.unwrap_or(0) {
+                break;
+            }
+            if job.sink_committed(prepared.epoch).await? {
+                tracing::info!(job = %job.spec.name, epoch = prepared.epoch, "rolling the checkpoint pointer forward to a committed epoch");
+                job.store.advance(pointer, prepared.epoch).await?;
+                pointer = Some(prepared.epoch);
+                break;
+            }
+        }
+        if let Some(epoch) = pointer {
+            let (r, checkpoint) = job.store.load(epoch).await?;
+            if checkpoint.job_version != job.spec.version {
+                return Err(RunnerError::new(
+                    ErrorKind::Config,
+                    format!(
+                        "{} version {} cannot continue from a checkpoint of version {}: run the new \
+                         version as a backfill into its own namespace",
+                        job.spec.name, job.spec.version, checkpoint.job_version
+                    ),
+                ));
+            }
+            job.engine = WindowEngine::restore(
+                Arc::clone(&job.spec),
+                engine_config,
+                &checkpoint.engine_state,
+            )?;
+            job.position = checkpoint.position;
+            job.checkpointed_position = checkpoint.position;
+            job.epoch = epoch;
+            // Replay: commits that exist are recognised and skipped.
+            let (out_snapshot, late_snapshot) = job.commit_sink(&checkpoint, false).await?;
+            job.hold(out_snapshot, late_snapshot).await?;
+            job.metrics
+                .checkpoint_bytes
+                .get_or_create(&job.labels)
+                .set(r.bytes as i64);
+        }
+        let retired = job
+            .store
+            .retire(job.epoch, job.config.keep_checkpoints)
+            .await?;
+        if retired > 0 {
+            tracing::debug!(job = %job.spec.name, retired, "retired checkpoints");
+        }
+        job.set_state("running", None);
+        tracing::info!(job = %job.spec.name, namespace = %job.config.namespace, epoch = job.epoch, position = ?job.position, "live job recovered");
+        Ok(job)
+    }
+
+    /// The job's status, shared.
+    pub fn status(&self) -> SharedStatus {
+        Arc::clone(&self.status)
+    }
+
+    /// The job's output table.
+    pub fn output(&self) -> LakeTable {
+        self.output
+    }
+
+    /// Last committed epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Last processed source snapshot.
+    pub fn position(&self) -> Option<i64> {
+        self.position
+    }
+
+    /// Freshness so far: quantile `q` of stage `stage` (see [`STAGES`]), seconds.
+    pub fn freshness_quantile(&self, stage: usize, q: f64) -> f64 {
+        self.freshness.quantile(stage, q)
+    }
+
+    /// Freshness samples that became visible.
+    pub fn freshness_samples(&self) -> u64 {
+        self.freshness.samples()
+    }
+
+    fn sink_writer(&self) -> String {
+        format!("job:{}:{}", self.spec.name, self.config.namespace)
+    }
+
+    fn late_writer(&self) -> String {
+        format!("job-late:{}:{}", self.spec.name, self.config.namespace)
+    }
+
+    async fn sink_committed(&self, epoch: u64) -> Result<bool> {
+        let out = self.lake.table(self.output).await?;
+        if Lake::find_commit(&out, &CommitIdentity::new(self.sink_writer(), epoch)).is_some() {
+            return Ok(true);
+        }
+        let late = self.lake.table(LakeTable::LateEvents).await?;
+        Ok(Lake::find_commit(&late, &CommitIdentity::new(self.late_writer(), epoch)).is_some())
+    }
+
+    fn set_state(&self, state: &str, error: Option<String>) {
+        if let Ok(mut s) = self.status.lock() {
+            s.state = state.to_string();
+            s.last_error = error;
+        }
+        self.metrics
+            .stalled
+            .get_or_create(&self.labels)
+            .set(i64::from(state == "stalled"));
+    }
+
+    fn fault(&self, stage: FaultStage, epoch: u64) {
+        if self.config.fault == Some(FaultPoint { stage, epoch }) {
+            eprintln!("fault drill: stopping at {stage:?} of epoch {epoch}");
+            std::process::abort();
+        }
+    }
+
+    fn labels_with(&self, name: &str, value: &str) -> Labels {
+        let mut l = self.labels.clone();
+        l.push((name.to_string(), value.to_string()));
+        l
+    }
+
+    /// One step: read the snapshots appended since the position (at most
+    /// `max_snapshots_per_step`), process them, fire triggers, and checkpoint when the
+    /// interval has passed (or `force_checkpoint`).
+    pub async fn step(&mut self, force_checkpoint: bool) -> Result<StepReport> {
+        let mut report = StepReport::default();
+        let plan = self
+            .lake
+            .plan_appended_bounded(
+                LakeTable::Events,
+                self.position,
+                self.config.max_snapshots_per_step,
+            )
+            .await?;
+        if plan.upto != self.position {
+            let read_at = now_us();
+            let committed_at = plan.commit_ms.last().copied().unwrap_or_default() * 1000;
+            let key_columns = self.spec.key.columns.clone();
+            let mut stream = self.lake.read(LakeTable::Events, plan.tasks).await?;
+            let (mut counted, mut filtered, mut dups, mut late_n) = (0u64, 0u64, 0u64, 0u64);
+            while let Some(batch) = stream.try_next().await.map_err(|e| {
+                RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
+            })? {
+                let now = now_us();
+                report.records += batch.num_rows() as u64;
+                self.freshness
+                    .observe(&batch, &key_columns, committed_at, read_at);
+                if let Some(col) = batch.column_by_name(&self.spec.time.event_time_column)
+                    && let Some(ts) = arrow::array::AsArray::as_primitive_opt::<
+                        arrow::datatypes::TimestampMicrosecondType,
+                    >(col.as_ref())
+                    && let Some(max) = arrow::compute::max(ts)
+                {
+                    self.max_event_time = self.max_event_time.max(max);
+                }
+                let outcome = self.engine.process_batch(&batch, "events", now)?;
+                counted += outcome.counted;
+                filtered += outcome.filtered;
+                dups += outcome.duplicates;
+                late_n += outcome.late.len() as u64;
+                if !outcome.late.is_empty() {
+                    self.pending_late.extend(late::extract(
+                        &batch,
+                        &outcome.late,
+                        &key_columns,
+                        now,
+                    )?);
+                }
+            }
+            for (outcome, n) in [
+                ("counted", counted),
+                ("filtered", filtered),
+                ("duplicate", dups),
+                ("late", late_n),
+            ] {
+                self.metrics
+                    .records
+                    .get_or_create(&self.labels_with("outcome", outcome))
+                    .inc_by(n);
+            }
+            if let Ok(mut s) = self.status.lock() {
+                s.records += report.records;
+                s.counted += counted;
+                s.duplicates += dups;
+                s.late += late_n;
+            }
+            report.snapshots = plan.snapshots.len();
+            self.position = plan.upto;
+        }
+        let now = now_us();
+        let rows = self.engine.fire(now);
+        self.freshness.emitted(&rows, now);
+        report.emitted = rows.len();
+        self.pending_outputs.extend(rows);
+        let due =
+            force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
+        // An idle job has nothing to commit: the last checkpoint still describes it (a
+        // restart from it recomputes only processing-time state, which emitted nothing).
+        let changed = self.position != self.checkpointed_position
+            || !self.pending_outputs.is_empty()
+            || !self.pending_late.is_empty();
+        if due && changed {
+            self.checkpoint().await?;
+            report.checkpointed = true;
+        }
+        self.observe_lag().await;
+        Ok(report)
+    }
+
+    /// Ends the epoch: checkpoint, sink commit, pointer (see the module documentation).
+    pub async fn checkpoint(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let epoch = self.epoch + 1;
+        self.fault(FaultStage::BeforeCheckpoint, epoch);
+        let checkpoint = Checkpoint {
+            job: self.spec.name.clone(),
+            namespace: self.config.namespace.clone(),
+            job_version: self.spec.version,
+            epoch,
+            position: self.position,
+            engine_state: self.engine.snapshot()?,
+            outputs: std::mem::take(&mut self.pending_outputs),
+            late: std::mem::take(&mut self.pending_late),
+            created_ms: chrono::Utc::now().timestamp_millis(),
+        };
+        let written = self.store.write(&checkpoint).await?;
+        self.fault(FaultStage::AfterCheckpoint, epoch);
+        let sink_started = Instant::now();
+        let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;
+        if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
+            self.metrics
+                .sink_commit_seconds
+                .get_or_create(&self.labels)
+                .observe(sink_started.elapsed().as_secs_f64());
+        }
+        let visible_at = now_us();
+        self.fault(FaultStage::AfterSinkCommit, epoch);
+        self.store
+            .advance(Some(self.epoch).filter(|e| *e > 0), epoch)
+            .await?;
+        self.epoch = epoch;
+        self.checkpointed_position = self.position;
+        self.last_checkpoint = Instant::now();
+        self.hold(out_snapshot, late_snapshot).await?;
+        for stages in self.freshness.visible(visible_at) {
+            for (stage, secs) in STAGES.iter().zip(stages) {
+                self.metrics
+                    .freshness_seconds
+                    .get_or_create(&self.labels_with("stage", stage))
+                    .observe(secs);
+            }
+        }
+        if let Err(e) = self.store.retire(epoch, self.config.keep_checkpoints).await {
+            tracing::warn!(job = %self.spec.name, error = %e, "could not retire old checkpoints");
+        }
+        self.metrics
+            .checkpoint_seconds
+            .get_or_create(&self.labels)
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.checkpoints.get_or_create(&self.labels).inc();
+        self.metrics
+            .checkpoint_bytes
+            .get_or_create(&self.labels)
+            .set(written.bytes as i64);
+        self.metrics
+            .outputs
+            .get_or_create(&self.labels)
+            .inc_by(checkpoint.outputs.len() as u64);
+        let size = self.engine.state_size();
+        if let Ok(mut s) = self.status.lock() {
+            s.epoch = epoch;
+            s.position = self.position;
+            s.checkpoint_bytes = written.bytes;
+            s.outputs += checkpoint.outputs.len() as u64;
+            s.state_keys = size.keys as u64;
+            s.state_bytes = (size.window_state_bytes + size.dedup_bytes) as u64;
+            s.freshness_s = [
+                self.freshness.quantile(5, 0.5),
+                self.freshness.quantile(5, 0.99),
+                self.freshness.quantile(5, 0.999),
+            ];
+            s.freshness_samples = self.freshness.samples();
+        }
+        self.metrics
+            .state_keys
+            .get_or_create(&self.labels)
+            .set(size.keys as i64);
+        self.metrics
+            .state_bytes
+            .get_or_create(&self.labels)
+            .set((size.window_state_bytes + size.dedup_bytes) as i64);
+        Ok(())
+    }
+
+    /// Commits a checkpoint's outputs, then its late records. With `fresh` false (replay
+    /// after a restart) every commit that exists is skipped. Returns the snapshots.
+    async fn commit_sink(
+        &self,
+        checkpoint: &Checkpoint,
+        fresh: bool,
+    ) -> Result<(Option<i64>, Option<i64>)> {
+        let summary: HashMap<String, String> = [
+            (SUMMARY_JOB, self.spec.name.clone()),
+            (SUMMARY_NAMESPACE, self.config.namespace.clone()),
+            (SUMMARY_EPOCH, checkpoint.epoch.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mut out_snapshot = None;
+        if !checkpoint.outputs.is_empty() {
+            let batch = outputs_to_batch(&self.spec, &self.config.namespace, &checkpoint.outputs)?;
+            let batch = arrow::array::RecordBatch::try_new(
+                self.output.arrow_schema(),
+                batch.columns().to_vec(),
+            )
+            .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
+            let identity = CommitIdentity::new(self.sink_writer(), checkpoint.epoch);
+            if fresh
+                && self.config.fault
+                    == Some(FaultPoint {
+                        stage: FaultStage::MidCommit,
+                        epoch: checkpoint.epoch,
+                    })
+            {
+                let mut writer = self.lake.append_writer(self.output, &identity).await?;
+                writer.write(&batch).await?;
+                let _files = writer.finish().await?;
+                self.fault(FaultStage::MidCommit, checkpoint.epoch);
+            }
+            let outcome = self
+                .lake
+                .append_with_summary(self.output, &[batch], &identity, summary.clone())
+                .await?;
+            out_snapshot = Some(outcome.snapshot_id);
+        }
+        let mut late_snapshot = None;
+        if !checkpoint.late.is_empty() {
+            let batch = late::to_batch(&self.spec.name, &self.config.namespace, &checkpoint.late)?;
+            let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
+            let outcome = self
+                .lake
+                .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
+                .await?;
+            late_snapshot = Some(outcome.snapshot_id);
+        }
+        Ok((out_snapshot, late_snapshot))
+    }
+
+    /// Holds the source position and the sink snapshots against expiry: a restart needs
+    /// the position to read from and the sink commits to recognise.
+    async fn hold(&self, out_snapshot: Option<i64>, late_snapshot: Option<i64>) -> Result<()> {
+        let holder = self.store.holder();
+        if let Some(p) = self.position {
+            self.lake
+                .hold_snapshot(LakeTable::Events, &holder, p)
+                .await?;
+        }
+        if let Some(s) = out_snapshot {
+            self.lake.hold_snapshot(self.output, &holder, s).await?;
+        }
+        if let Some(s) = late_snapshot {
+            self.lake
+                .hold_snapshot(LakeTable::LateEvents, &holder, s)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn observe_lag(&self) {
+        let now = now_us();
+        let backlog = self.lake.backlog(LakeTable::Events, self.position).await;
+        let watermark = self.engine.watermark();
+        let secs = |us: i64| (us as f64 / 1e6).max(0.0);
+        let event_time_age = if self.max_event_time == i64::MIN {
+            0.0
+        } else {
+            secs(now - self.max_event_time)
+        };
+        let wm_delay = if watermark == i64::MIN {
+            0.0
+        } else {
+            secs(now - watermark)
+        };
+        // How long processed work has waited for a checkpoint (0 when there is none).
+        let changed = self.position != self.checkpointed_position
+            || !self.pending_outputs.is_empty()
+            || !self.pending_late.is_empty();
+        let checkpoint_age = if changed {
+            self.last_checkpoint.elapsed().as_secs_f64()
+        } else {
+            0.0
+        };
+        let m = &self.metrics;
+        m.event_time_age_seconds
+            .get_or_create(&self.labels)
+            .set(event_time_age);
+        m.checkpoint_age_seconds
+            .get_or_create(&self.labels)
+            .set(checkpoint_age);
+        let bound = self.spec.time.max_out_of_orderness.as_micros() as i64;
+        for (input, p) in self.engine.watermarks().inputs() {
+            if !p.idle {
+                m.watermark_delay_seconds
+                    .get_or_create(&self.labels_with("input", input))
+                    .set(secs(now - (p.max_event_time - bound)));
+            }
+        }
+        let Ok(mut s) = self.status.lock() else {
+            return;
+        };
+        s.watermark_us = (watermark != i64::MIN).then_some(watermark);
+        s.event_time_age_s = event_time_age;
+        s.watermark_delay_s = wm_delay;
+        s.checkpoint_age_s = checkpoint_age;
+        if let Ok(b) = backlog {
+            m.lag_snapshots
+                .get_or_create(&self.labels)
+                .set(b.snapshots as i64);
+            m.lag_files.get_or_create(&self.labels).set(b.files as i64);
+            m.lag_records
+                .get_or_create(&self.labels)
+                .set(b.records as i64);
+            m.lag_bytes.get_or_create(&self.labels).set(b.bytes as i64);
+            let oldest = b
+                .oldest_commit_ms
+                .map(|ms| secs(now - ms * 1000))
+                .unwrap_or(0.0);
+            m.oldest_unprocessed_age_seconds
+                .get_or_create(&self.labels)
+                .set(oldest);
+            s.lag_snapshots = b.snapshots;
+            s.lag_files = b.files;
+            s.lag_records = b.records;
+            s.oldest_unprocessed_age_s = oldest;
+        }
+    }
+
+    /// Runs until `shutdown` resolves, then commits a last checkpoint. A failed step
+    /// (object store or catalog down) stalls the job: it reports the failure in its status
+    /// and metrics, then recovers from its last checkpoint with backoff, and resumes.
+    pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) -> Result<Self> {
+        tokio::pin!(shutdown);
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let step = self.step(false).await;
+            match step {
+                Ok(r) => {
+                    backoff = Duration::from_millis(200);
+                    let idle = r.snapshots == 0;
+                    if idle {
+                        tokio::select! {
+                            _ = &mut shutdown => break,
+                            _ = tokio::time::sleep(self.config.poll_interval) => {}
+                        }
+                    } else if futures::FutureExt::now_or_never(&mut shutdown).is_some() {
+                        break;
+                    }
+                }
+                Err(e)
+                    if e.kind() == ErrorKind::Conflict
+                        && e.to_string().contains("another instance") =>
+                {
+                    self.set_state("stopped", Some(e.to_string()));
+                    return Err(e);
+                }
+                Err(e) => {
+                    tracing::warn!(job = %self.spec.name, error = %e, "live job stalled; recovering from its last checkpoint");
+                    self.metrics.failures.get_or_create(&self.labels).inc();
+                    let status = Arc::clone(&self.status);
+                    self.set_state("stalled", Some(e.to_string()));
+                    loop {
+                        tokio::select! {
+                            _ = &mut shutdown => return Ok(self),
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        match Self::recover(
+                            self.lake.clone(),
+                            Arc::clone(&self.spec),
+                            self.config.clone(),
+                            Arc::clone(&self.metrics),
+                        )
+                        .await
+                        {
+                            Ok(mut job) => {
+                                // Keep one status (readers hold it) and the freshness history.
+                                if let (Ok(mut old), Ok(new)) = (status.lock(), job.status.lock()) {
+                                    old.state = new.state.clone();
+                                    old.last_error = None;
+                                    old.epoch = new.epoch;
+                                }
+                                job.status = Arc::clone(&status);
+                                job.freshness =
+                                    std::mem::replace(&mut self.freshness, Freshness::new(1));
+                                job.freshness.reset_in_flight();
+                                job.max_event_time = self.max_event_time;
+                                self = job;
+                                break;
+                            }
+                            Err(e) => {
+                                if let Ok(mut s) = status.lock() {
+                                    s.last_error = Some(e.to_string());
+                                }
+                                tracing::warn!(job = %self.spec.name, error = %e, "recovery failed; retrying");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Drain: the last epoch's outputs are committed before the job stops.
+        self.step(true).await?;
+        self.set_state("stopped", None);
+        Ok(self)
+    }
+}

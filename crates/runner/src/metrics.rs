@@ -1,0 +1,252 @@
+//! The runner's Prometheus metrics, labelled by job and namespace, and the per-job status
+//! that `signalweave status` and the demo's live view print.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+
+/// Label set: `job`, `namespace`, and a third label where a metric has one.
+pub type Labels = Vec<(String, String)>;
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+/// Every metric of every job in the process.
+#[derive(Debug)]
+pub struct RunnerMetrics {
+    registry: Registry,
+    /// Snapshots of the source after the job's position.
+    pub lag_snapshots: Family<Labels, Gauge>,
+    /// Data files those snapshots added.
+    pub lag_files: Family<Labels, Gauge>,
+    /// Records not yet processed.
+    pub lag_records: Family<Labels, Gauge>,
+    /// Bytes not yet processed.
+    pub lag_bytes: Family<Labels, Gauge>,
+    /// Age of the oldest unprocessed source commit, seconds.
+    pub oldest_unprocessed_age_seconds: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Processing time minus the largest event time processed, seconds.
+    pub event_time_age_seconds: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Processing time minus each input's watermark contribution, seconds (label `input`).
+    pub watermark_delay_seconds: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Seconds per checkpoint (state blob, sink commits, pointer).
+    pub checkpoint_seconds: HistogramFamily,
+    /// Seconds processed work has waited for a checkpoint (0 when idle and checkpointed).
+    pub checkpoint_age_seconds: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// Size of the last checkpoint blob, bytes.
+    pub checkpoint_bytes: Family<Labels, Gauge>,
+    /// Checkpoints completed.
+    pub checkpoints: Family<Labels, Counter>,
+    /// Failed steps or checkpoints (the job restarts from its last checkpoint).
+    pub failures: Family<Labels, Counter>,
+    /// 1 while the job is stalled on a failure.
+    pub stalled: Family<Labels, Gauge>,
+    /// Seconds per sink commit (outputs and late records of one epoch).
+    pub sink_commit_seconds: HistogramFamily,
+    /// Per-event freshness by stage, seconds (label `stage`).
+    pub freshness_seconds: HistogramFamily,
+    /// Records read, by outcome (label `outcome`: counted, filtered, duplicate, late).
+    pub records: Family<Labels, Counter>,
+    /// Output versions committed.
+    pub outputs: Family<Labels, Counter>,
+    /// Keys in the window state.
+    pub state_keys: Family<Labels, Gauge>,
+    /// Bytes of window and dedup state (estimate).
+    pub state_bytes: Family<Labels, Gauge>,
+}
+
+impl Default for RunnerMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RunnerMetrics {
+    /// Registers every metric under the `signalweave_job` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("signalweave_job");
+        let hist = || HistogramFamily::new_with_constructor(seconds_histogram as fn() -> Histogram);
+        let m = Self {
+            lag_snapshots: Family::default(),
+            lag_files: Family::default(),
+            lag_records: Family::default(),
+            lag_bytes: Family::default(),
+            oldest_unprocessed_age_seconds: Family::default(),
+            event_time_age_seconds: Family::default(),
+            watermark_delay_seconds: Family::default(),
+            checkpoint_seconds: hist(),
+            checkpoint_age_seconds: Family::default(),
+            checkpoint_bytes: Family::default(),
+            checkpoints: Family::default(),
+            failures: Family::default(),
+            stalled: Family::default(),
+            sink_commit_seconds: hist(),
+            freshness_seconds: hist(),
+            records: Family::default(),
+            outputs: Family::default(),
+            state_keys: Family::default(),
+            state_bytes: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "lag_snapshots",
+            "Source snapshots after the job's position",
+            m.lag_snapshots.clone(),
+        );
+        registry.register(
+            "lag_files",
+            "Data files not yet processed",
+            m.lag_files.clone(),
+        );
+        registry.register(
+            "lag_records",
+            "Records not yet processed",
+            m.lag_records.clone(),
+        );
+        registry.register("lag_bytes", "Bytes not yet processed", m.lag_bytes.clone());
+        registry.register(
+            "oldest_unprocessed_age_seconds",
+            "Age of the oldest unprocessed source commit",
+            m.oldest_unprocessed_age_seconds.clone(),
+        );
+        registry.register(
+            "event_time_age_seconds",
+            "Processing time minus the largest event time processed",
+            m.event_time_age_seconds.clone(),
+        );
+        registry.register(
+            "watermark_delay_seconds",
+            "Processing time minus the watermark, per input",
+            m.watermark_delay_seconds.clone(),
+        );
+        registry.register(
+            "checkpoint_seconds",
+            "Seconds per checkpoint",
+            m.checkpoint_seconds.clone(),
+        );
+        registry.register(
+            "checkpoint_age_seconds",
+            "Seconds processed work has waited for a checkpoint",
+            m.checkpoint_age_seconds.clone(),
+        );
+        registry.register(
+            "checkpoint_bytes",
+            "Size of the last checkpoint blob",
+            m.checkpoint_bytes.clone(),
+        );
+        registry.register(
+            "checkpoints",
+            "Checkpoints completed",
+            m.checkpoints.clone(),
+        );
+        registry.register(
+            "failures",
+            "Failed steps or checkpoints",
+            m.failures.clone(),
+        );
+        registry.register(
+            "stalled",
+            "1 while the job is stalled on a failure",
+            m.stalled.clone(),
+        );
+        registry.register(
+            "sink_commit_seconds",
+            "Seconds per sink commit",
+            m.sink_commit_seconds.clone(),
+        );
+        registry.register(
+            "freshness_seconds",
+            "Per-event freshness by stage",
+            m.freshness_seconds.clone(),
+        );
+        registry.register("records", "Records read, by outcome", m.records.clone());
+        registry.register("outputs", "Output versions committed", m.outputs.clone());
+        registry.register(
+            "state_keys",
+            "Keys in the window state",
+            m.state_keys.clone(),
+        );
+        registry.register(
+            "state_bytes",
+            "Bytes of window and dedup state",
+            m.state_bytes.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// A job's status for people: `signalweave status`, the demo's live view, `/v1/status`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct JobStatus {
+    /// Job name.
+    pub job: String,
+    /// Output namespace.
+    pub namespace: String,
+    /// `starting`, `running`, `stalled` or `stopped`.
+    pub state: String,
+    /// The failure the job is stalled on.
+    pub last_error: Option<String>,
+    /// Last committed epoch.
+    pub epoch: u64,
+    /// Last processed source snapshot.
+    pub position: Option<i64>,
+    /// Watermark, µs.
+    pub watermark_us: Option<i64>,
+    /// Source snapshots not yet processed.
+    pub lag_snapshots: u64,
+    /// Data files not yet processed.
+    pub lag_files: u64,
+    /// Records not yet processed.
+    pub lag_records: u64,
+    /// Age of the oldest unprocessed source commit, seconds.
+    pub oldest_unprocessed_age_s: f64,
+    /// Processing time minus the largest event time processed, seconds.
+    pub event_time_age_s: f64,
+    /// Processing time minus the watermark, seconds.
+    pub watermark_delay_s: f64,
+    /// Seconds since the last checkpoint.
+    pub checkpoint_age_s: f64,
+    /// Last checkpoint blob, bytes.
+    pub checkpoint_bytes: u64,
+    /// Records read since start.
+    pub records: u64,
+    /// Records counted into windows since start.
+    pub counted: u64,
+    /// Duplicates since start.
+    pub duplicates: u64,
+    /// Late records since start.
+    pub late: u64,
+    /// Output versions committed since start.
+    pub outputs: u64,
+    /// Keys in state.
+    pub state_keys: u64,
+    /// State bytes (estimate).
+    pub state_bytes: u64,
+    /// End-to-end freshness (event time to visible output) p50 / p99 / p99.9, seconds,
+    /// over the samples since start.
+    pub freshness_s: [f64; 3],
+    /// Freshness samples so far.
+    pub freshness_samples: u64,
+}
+
+/// A job's status, shared between the job and whoever reports it.
+pub type SharedStatus = Arc<Mutex<JobStatus>>;

@@ -1,0 +1,385 @@
+//! The live job as a process: its outputs equal an SQL recount of the landing table; a
+//! restart replays harmlessly; the serving API answers the current versions; kill -9 at
+//! each checkpoint stage, then a restart, ends with the outputs of a failure-free run and
+//! never two values for one output version; an object-store outage stalls the job, shows
+//! in `/v1/status` and `/metrics`, and it recovers without loss.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn sw(lake: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_signalweave"));
+    c.current_dir(support::repo())
+        .arg("--lake")
+        .arg(lake)
+        .env_remove("SIGNALWEAVE_FAULT");
+    c
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn sql(lake: &Path, query: &str) -> Vec<serde_json::Map<String, Value>> {
+    let out = ok(sw(lake)
+        .args(["sql", query, "--format", "json"])
+        .output()
+        .unwrap());
+    if out.trim().is_empty() {
+        return Vec::new();
+    }
+    serde_json::from_str(&out).unwrap()
+}
+
+fn count(lake: &Path, query: &str) -> i64 {
+    sql(lake, query)[0]
+        .values()
+        .next()
+        .unwrap()
+        .as_i64()
+        .unwrap()
+}
+
+/// A job with a strict lateness (1 s), so the fixture's late events go to `late_events`.
+fn strict_job(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(support::repo().join("jobs/market_aggregates.toml"))
+        .unwrap()
+        .replace("allowed = \"2h\"", "allowed = \"1s\"")
+        .replace(
+            "max_out_of_orderness = \"5s\"",
+            "max_out_of_orderness = \"1s\"",
+        )
+        .replace("name = \"market_aggregates\"", "name = \"strict_markets\"")
+        .replace(
+            "table = \"market_aggregates\"",
+            "table = \"strict_markets\"",
+        );
+    let path = dir.join("strict_markets.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The fixture, landed in several commits (one snapshot per 300 records).
+fn load_fixture(lake: &Path) {
+    let sample = support::repo().join("fixtures/sample.ndjson");
+    ok(sw(lake)
+        .args(["load", sample.to_str().unwrap(), "--chunk-records", "300"])
+        .output()
+        .unwrap());
+}
+
+fn run_caught_up(lake: &Path, job: &Path, fault: Option<&str>) -> Output {
+    let mut c = sw(lake);
+    c.args(["run", "--job", job.to_str().unwrap(), "--until-caught-up"])
+        .args([
+            "--max-snapshots-per-step",
+            "1",
+            "--checkpoint-interval",
+            "1ms",
+        ]);
+    if let Some(f) = fault {
+        c.env("SIGNALWEAVE_FAULT", f);
+    }
+    c.output().unwrap()
+}
+
+const CURRENT: &str = "select key, cast(window_start as varchar) w, completeness, events, placed_count, \
+     placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, cancelled_amount_minor \
+     from signalweave.strict_markets_current order by key, w";
+
+fn no_version_twice(lake: &Path) {
+    let dups = sql(
+        lake,
+        "select key, window_start, output_version, count(*) n from signalweave.strict_markets \
+         group by 1, 2, 3 having count(*) > 1",
+    );
+    assert!(dups.is_empty(), "output versions written twice: {dups:?}");
+}
+
+fn recount_matches(lake: &Path, job: &Path) {
+    let out = ok(sw(lake)
+        .args([
+            "recount",
+            "--job",
+            job.to_str().unwrap(),
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap());
+    let rows: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let r = &rows[0];
+    assert!(
+        r["compared"].as_str().unwrap().parse::<u64>().unwrap() > 400,
+        "{r}"
+    );
+    assert_eq!(r["compared"], r["matched"], "{r}");
+}
+
+#[test]
+fn live_outputs_equal_the_sql_recount_and_a_restart_replays_harmlessly() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let job = strict_job(dir.path());
+    load_fixture(&lake);
+    ok(run_caught_up(&lake, &job, None));
+    recount_matches(&lake, &job);
+    let late = count(
+        &lake,
+        "select count(*) from signalweave.late_events where job = 'strict_markets'",
+    );
+    assert!(late > 0, "the strict job routed nothing to late_events");
+    // Each sink commit names its job, namespace and epoch.
+    let snaps = ok(sw(&lake)
+        .args(["lake", "snapshots", "strict_markets", "--format", "json"])
+        .output()
+        .unwrap());
+    assert!(snaps.contains("job:strict_markets:live"), "{snaps}");
+    let rows_before = count(&lake, "select count(*) from signalweave.strict_markets");
+    // A restart with nothing new writes nothing new.
+    ok(run_caught_up(&lake, &job, None));
+    assert_eq!(
+        count(&lake, "select count(*) from signalweave.strict_markets"),
+        rows_before
+    );
+    assert_eq!(
+        count(
+            &lake,
+            "select count(*) from signalweave.late_events where job = 'strict_markets'"
+        ),
+        late
+    );
+    no_version_twice(&lake);
+}
+
+#[test]
+fn kill_9_at_every_checkpoint_stage_then_restart_ends_as_a_failure_free_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = strict_job(dir.path());
+    let reference = dir.path().join("reference");
+    load_fixture(&reference);
+    ok(run_caught_up(&reference, &job, None));
+    let expected = sql(&reference, CURRENT);
+    assert!(expected.len() > 400);
+    let expected_late = count(
+        &reference,
+        "select count(*) from signalweave.late_events where job = 'strict_markets'",
+    );
+    for stage in [
+        "before_checkpoint",
+        "after_checkpoint",
+        "mid_commit",
+        "after_sink_commit",
+    ] {
+        for epoch in [1, 3] {
+            let lake = dir.path().join(format!("{stage}-{epoch}"));
+            load_fixture(&lake);
+            let fault = format!("{stage}@{epoch}");
+            let crashed = run_caught_up(&lake, &job, Some(&fault));
+            assert!(
+                !crashed.status.success(),
+                "{fault}: the drill did not stop the job: {}",
+                String::from_utf8_lossy(&crashed.stderr)
+            );
+            assert!(
+                String::from_utf8_lossy(&crashed.stderr).contains("fault drill"),
+                "{fault}: {}",
+                String::from_utf8_lossy(&crashed.stderr)
+            );
+            ok(run_caught_up(&lake, &job, None));
+            assert_eq!(
+                sql(&lake, CURRENT),
+                expected,
+                "{fault}: final outputs differ"
+            );
+            no_version_twice(&lake);
+            assert_eq!(
+                count(
+                    &lake,
+                    "select count(*) from signalweave.late_events where job = 'strict_markets'"
+                ),
+                expected_late,
+                "{fault}: late records"
+            );
+        }
+    }
+}
+
+struct Proc {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        Self { child, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn wait_log(&self, needle: &str, timeout: Duration) {
+        let start = Instant::now();
+        while !self.log().contains(needle) {
+            assert!(
+                start.elapsed() < timeout,
+                "no `{needle}` in: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn terminate(mut self) -> String {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "exit {status:?}: {}", self.log());
+        self.log()
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn get(url: &str) -> Option<String> {
+    let out = Command::new("curl")
+        .args(["-sf", "--max-time", "5", url])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn the_serving_api_answers_committed_current_versions_and_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let job = strict_job(dir.path());
+    load_fixture(&lake);
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut cmd = sw(&lake);
+    cmd.args(["run", "--job", job.to_str().unwrap()])
+        .args(["--serve", &format!("127.0.0.1:{port}")]);
+    let p = Proc::spawn(cmd);
+    p.wait_log("serving on", Duration::from_secs(60));
+    wait_until("the job to catch up", Duration::from_secs(60), || {
+        get(&format!("{base}/v1/status")).is_some_and(|s| {
+            let v: Value = serde_json::from_str(&s).unwrap();
+            v[0]["lag_snapshots"] == 0
+                && v[0]["epoch"].as_u64().unwrap_or(0) > 0
+                && v[0]["outputs"].as_u64().unwrap_or(0) > 0
+        })
+    });
+    let body = get(&format!(
+        "{base}/v1/jobs/strict_markets/aggregates?key=m-21&from=2026-01-01T00:00:00Z&to=2026-01-02T00:00:00Z"
+    ))
+    .unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let windows = v["windows"].as_array().unwrap();
+    assert!(!windows.is_empty(), "{v}");
+    assert!(v["as_of_snapshot"].as_i64().is_some());
+    for w in windows {
+        assert_eq!(w["key"], "m-21");
+        assert!(w["output_version"].as_i64().unwrap() >= 1);
+        assert!(
+            ["provisional", "on_time", "corrected"].contains(&w["completeness"].as_str().unwrap())
+        );
+        assert!(w["watermark"].as_str().unwrap().ends_with('Z'));
+        assert!(w["values"]["placed_count"].is_i64());
+    }
+    // The same windows as the SQL current view.
+    let n = count(
+        &lake,
+        "select count(*) from signalweave.strict_markets_current where key = 'm-21'",
+    );
+    assert_eq!(windows.len() as i64, n);
+    // Classified errors.
+    let status = |url: &str| {
+        Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", url])
+            .output()
+            .unwrap()
+            .stdout
+    };
+    assert_eq!(status(&format!("{base}/v1/jobs/nope/aggregates")), b"404");
+    assert_eq!(
+        status(&format!(
+            "{base}/v1/jobs/strict_markets/aggregates?from=yesterday"
+        )),
+        b"400"
+    );
+    let metrics = get(&format!("{base}/metrics")).unwrap();
+    for name in [
+        "signalweave_job_lag_snapshots",
+        "signalweave_job_lag_records",
+        "signalweave_job_oldest_unprocessed_age_seconds",
+        "signalweave_job_event_time_age_seconds",
+        "signalweave_job_watermark_delay_seconds",
+        "signalweave_job_checkpoint_seconds",
+        "signalweave_job_checkpoint_age_seconds",
+        "signalweave_job_checkpoint_bytes",
+        "signalweave_job_sink_commit_seconds",
+        "signalweave_job_freshness_seconds",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    let table = ok(sw(&lake).args(["status", "--url", &base]).output().unwrap());
+    assert!(
+        table.contains("strict_markets/live") && table.contains("running"),
+        "{table}"
+    );
+    let log = p.terminate();
+    assert!(log.contains("stopped at epoch"), "{log}");
+}
