@@ -283,14 +283,25 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// GET `url` with a short timeout: the status code and body, or None when nothing answers.
+fn fetch(url: &str) -> Option<(u16, String)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .ok()?;
+        let r = client.get(url).send().await.ok()?;
+        let status = r.status().as_u16();
+        Some((status, r.text().await.ok()?))
+    })
+}
+
 fn get(url: &str) -> Option<String> {
-    let out = Command::new("curl")
-        .args(["-sf", "--max-time", "5", url])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+    fetch(url).and_then(|(status, body)| (status == 200).then_some(body))
 }
 
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
@@ -346,19 +357,16 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
     );
     assert_eq!(windows.len() as i64, n);
     // Classified errors.
-    let status = |url: &str| {
-        Command::new("curl")
-            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", url])
-            .output()
-            .unwrap()
-            .stdout
-    };
-    assert_eq!(status(&format!("{base}/v1/jobs/nope/aggregates")), b"404");
+    let status = |url: &str| fetch(url).map(|(s, _)| s);
+    assert_eq!(
+        status(&format!("{base}/v1/jobs/nope/aggregates")),
+        Some(404)
+    );
     assert_eq!(
         status(&format!(
             "{base}/v1/jobs/strict_markets/aggregates?from=yesterday"
         )),
-        b"400"
+        Some(400)
     );
     let metrics = get(&format!("{base}/metrics")).unwrap();
     for name in [
@@ -382,4 +390,151 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
     );
     let log = p.terminate();
     assert!(log.contains("stopped at epoch"), "{log}");
+}
+
+fn garage_ports() -> u16 {
+    // Garage takes the S3 port, the next one (RPC) and the third after (admin).
+    for _ in 0..50 {
+        let p = free_port();
+        if p < 60_000
+            && [p + 1, p + 3]
+                .iter()
+                .all(|q| TcpListener::bind(("127.0.0.1", *q)).is_ok())
+        {
+            return p;
+        }
+    }
+    panic!("no free port block for Garage");
+}
+
+fn garage(script: &str, dir: &Path, port: u16) {
+    let out = Command::new("bash")
+        .arg(support::repo().join("minio").join(script))
+        .env("SW_GARAGE_DIR", dir)
+        .env("SW_GARAGE_PORT", port.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn status_json(base: &str) -> Option<Value> {
+    get(&format!("{base}/v1/status")).map(|s| serde_json::from_str::<Value>(&s).unwrap()[0].clone())
+}
+
+#[test]
+fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() {
+    let installed = Command::new("garage")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !installed {
+        assert!(
+            !support::required(),
+            "garage is not installed but SW_REQUIRE_SERVICES=1"
+        );
+        eprintln!("skipped: garage is not installed");
+        return;
+    }
+    let gdir = tempfile::tempdir().unwrap();
+    let port = garage_ports();
+    garage("garage-up.sh", gdir.path(), port);
+    let lake = gdir.path().join("profile.toml");
+    let job = strict_job(gdir.path());
+    // The fixture in two halves: one before the outage, one after.
+    let lines: Vec<String> =
+        std::fs::read_to_string(support::repo().join("fixtures/sample.ndjson"))
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+    let (first, second) = lines.split_at(lines.len() / 2);
+    let halves = [
+        gdir.path().join("first.ndjson"),
+        gdir.path().join("second.ndjson"),
+    ];
+    std::fs::write(&halves[0], first.join("\n") + "\n").unwrap();
+    std::fs::write(&halves[1], second.join("\n") + "\n").unwrap();
+    let load = |file: &Path| {
+        sw(&lake)
+            .args(["load", file.to_str().unwrap(), "--chunk-records", "300"])
+            .output()
+            .unwrap()
+    };
+    ok(load(&halves[0]));
+    let serve_port = free_port();
+    let base = format!("http://127.0.0.1:{serve_port}");
+    let mut cmd = sw(&lake);
+    cmd.args([
+        "run",
+        "--job",
+        job.to_str().unwrap(),
+        "--checkpoint-interval",
+        "500ms",
+    ])
+    .args(["--serve", &format!("127.0.0.1:{serve_port}")]);
+    let p = Proc::spawn(cmd);
+    p.wait_log("serving on", Duration::from_secs(60));
+    wait_until("the first half", Duration::from_secs(60), || {
+        status_json(&base).is_some_and(|s| s["lag_snapshots"] == 0 && s["epoch"].as_u64() > Some(0))
+    });
+    garage("garage-down.sh", gdir.path(), port);
+    let down = Instant::now();
+    wait_until(
+        "the job to report the outage",
+        Duration::from_secs(25),
+        || {
+            status_json(&base)
+                .is_some_and(|s| s["state"] == "stalled" && s["last_error"].is_string())
+        },
+    );
+    let metrics = get(&format!("{base}/metrics")).unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("signalweave_job_stalled{") && l.ends_with(" 1")),
+        "{metrics}"
+    );
+    let status = sw(&lake).args(["status", "--url", &base]).output().unwrap();
+    assert_eq!(
+        status.status.code(),
+        Some(1),
+        "status exits 1 while a job is stalled"
+    );
+    assert!(String::from_utf8_lossy(&status.stdout).contains("stalled"));
+    std::thread::sleep(Duration::from_secs(30).saturating_sub(down.elapsed()));
+    garage("garage-up.sh", gdir.path(), port);
+    // The store is back: the second half lands, and the job catches up by itself.
+    let start = Instant::now();
+    loop {
+        let out = load(&halves[1]);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "load after the outage: {out:?}"
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let current = sql(&lake, "select count(*) n from signalweave.events")[0]["n"]
+        .as_i64()
+        .unwrap();
+    wait_until(
+        "the job to recover and catch up",
+        Duration::from_secs(90),
+        || {
+            status_json(&base).is_some_and(|s| {
+                s["state"] == "running" && s["lag_snapshots"] == 0 && s["lag_records"] == 0
+            }) && sql(&lake, "select count(*) n from signalweave.events")[0]["n"].as_i64()
+                == Some(current)
+        },
+    );
+    p.terminate();
+    recount_matches(&lake, &job);
+    no_version_twice(&lake);
+    garage("garage-down.sh", gdir.path(), port);
 }

@@ -81,6 +81,56 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         runs: usize,
     },
+    /// Live processing throughput: `--events` landed, then one live job from its start to
+    /// caught up (tail + engine + sink + checkpoints).
+    Live {
+        /// Events to land first.
+        #[arg(long, default_value_t = 4_000_000)]
+        events: u64,
+        /// Events per landed commit.
+        #[arg(long, default_value_t = 100_000)]
+        batch: usize,
+        /// The job.
+        #[arg(long, default_value = "jobs/market_aggregates.toml")]
+        job: std::path::PathBuf,
+    },
+    /// Recovery after kill -9 with a large state, to caught up.
+    Recovery {
+        /// Distinct keys (customers) in the workload.
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: u64,
+        /// Events before the last checkpoint (5M over 1M customers: about 1M keys).
+        #[arg(long, default_value_t = 5_000_000)]
+        events: u64,
+        /// Events landed after the last checkpoint (replayed on recovery).
+        #[arg(long, default_value_t = 100_000)]
+        tail: u64,
+        /// The job.
+        #[arg(long, default_value = "jobs/customer_features.toml")]
+        job: std::path::PathBuf,
+    },
+    /// End-to-end freshness (event time to visible output) through an in-process gateway
+    /// and live job, with the stage breakdown.
+    Freshness {
+        /// Events/s.
+        #[arg(long, default_value_t = 20_000)]
+        rate: u64,
+        /// How long the producer sends.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+        duration: std::time::Duration,
+        /// Serialized event size, bytes.
+        #[arg(long, default_value_t = 1200)]
+        event_size: usize,
+        /// The job.
+        #[arg(long, default_value = "jobs/market_aggregates.toml")]
+        job: std::path::PathBuf,
+        /// Override the job's early trigger (the freshness floor of an open window).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        early_every: Option<std::time::Duration>,
+        /// Gateway configuration.
+        #[arg(long, default_value = "catalog/gateway/dev.toml")]
+        config: std::path::PathBuf,
+    },
     /// Range scan + GROUP BY through `signalweave sql` vs DataFusion on the same Parquet files.
     Scan {
         /// Events to land first (skipped if `events` already holds at least this many).
@@ -92,7 +142,7 @@ pub enum BenchCommand {
     },
 }
 
-fn batches(spec: WorkloadSpec, batch: usize) -> Vec<arrow::array::RecordBatch> {
+pub(crate) fn batches(spec: WorkloadSpec, batch: usize) -> Vec<arrow::array::RecordBatch> {
     let mut out = Vec::new();
     let mut b = EventBatchBuilder::with_capacity(batch);
     for r in Generator::new(spec) {
@@ -158,6 +208,43 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             concurrency: *concurrency,
         };
         return gateway_bench(lake, registry, config, opts).await;
+    }
+    match cmd {
+        BenchCommand::Live { events, batch, job } => {
+            return crate::bench_live::throughput(lake, job, *events, *batch).await;
+        }
+        BenchCommand::Recovery {
+            keys,
+            events,
+            tail,
+            job,
+        } => {
+            return crate::bench_live::recovery(lake, config, job, *keys, *events, *tail).await;
+        }
+        BenchCommand::Freshness {
+            rate,
+            duration,
+            event_size,
+            job,
+            early_every,
+            config: gw,
+        } => {
+            let registry = signalweave_model::SchemaRegistry::load_dir(schemas)?;
+            return crate::bench_live::freshness(
+                lake,
+                registry,
+                crate::bench_live::FreshnessBench {
+                    rate: *rate,
+                    duration: *duration,
+                    event_size: *event_size,
+                    job,
+                    early_every: *early_every,
+                    gateway_config: gw,
+                },
+            )
+            .await;
+        }
+        _ => {}
     }
     let run_id = uuid_like();
     match cmd {
@@ -297,7 +384,10 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 println!("metadata on disk: {:.1} MB", bytes as f64 / 1e6);
             }
         }
-        BenchCommand::Gateway { .. } => unreachable!("handled above"),
+        BenchCommand::Gateway { .. }
+        | BenchCommand::Live { .. }
+        | BenchCommand::Recovery { .. }
+        | BenchCommand::Freshness { .. } => unreachable!("handled above"),
         BenchCommand::Compaction { files, rows, runs } => {
             let spec = WorkloadSpec {
                 seed: 11,
@@ -498,7 +588,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
     Ok(())
 }
 
-fn uuid_like() -> String {
+pub(crate) fn uuid_like() -> String {
     format!(
         "{:x}",
         std::time::SystemTime::now()

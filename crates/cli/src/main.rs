@@ -6,6 +6,7 @@
 //! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
 
 mod bench;
+mod bench_live;
 mod ingest;
 mod live;
 #[macro_use]

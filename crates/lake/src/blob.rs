@@ -59,4 +59,28 @@ impl Lake {
             .await
             .map_err(|e| LakeError::iceberg(format!("delete {location}"), e))
     }
+
+    /// Checks that the object store answers: the current metadata file of `events` must
+    /// be readable. `Unavailable` when it is not (a reader that is idle otherwise learns
+    /// of an outage here).
+    pub async fn probe_store(&self) -> Result<()> {
+        let t = self.table(LakeTable::Events).await?;
+        let Some(location) = t.metadata_location() else {
+            return Ok(());
+        };
+        let exists = t.file_io().exists(location).await.map_err(|e| {
+            LakeError::new(
+                ErrorKind::Unavailable,
+                format!("object store probe ({location}): {e}"),
+            )
+        })?;
+        if exists {
+            Ok(())
+        } else {
+            Err(LakeError::new(
+                ErrorKind::Unavailable,
+                format!("object store probe: {location} is missing"),
+            ))
+        }
+    }
 }

@@ -6,9 +6,11 @@
 //! current checkpoint is the epoch in `sw_checkpoint_pointers`, moved by compare-and-set
 //! in the catalog database (never by S3 conditional writes).
 //!
-//! The blob also carries the outputs and late records the epoch emitted, so the sink can
-//! commit them again after a crash: the sink commit of epoch `e` is the commit point, and a
-//! restart that finds it rolls the pointer forward to `e` (see [`crate::live`]).
+//! The blob (see [`Checkpoint::to_bytes`]) also carries the late records the epoch
+//! classified, so the sink can commit them again after a crash: the sink commit of epoch
+//! `e` (its outputs first) is the commit point, and a restart that finds it rolls the
+//! pointer forward to `e` (see [`crate::live`]). The epoch's outputs are not stored: a
+//! checkpoint becomes current only once they are committed.
 //!
 //! Retention: the current checkpoint and the [`CheckpointStore::retire`]`(keep)` newest
 //! before it are kept; older rows and blobs are deleted, and so are prepared checkpoints
@@ -41,7 +43,9 @@ pub struct Checkpoint {
     pub position: Option<i64>,
     /// The window engine's state (its own versioned format).
     pub engine_state: Vec<u8>,
-    /// Output rows emitted in this epoch, committed by the sink.
+    /// Output rows emitted in this epoch, committed by the sink. Not stored in the blob
+    /// (empty after [`Checkpoint::from_bytes`]): a checkpoint is current only once they
+    /// are committed.
     pub outputs: Vec<OutputRow>,
     /// Late records classified in this epoch, committed to `late_events`.
     pub late: Vec<LateEvent>,
@@ -49,25 +53,54 @@ pub struct Checkpoint {
     pub created_ms: i64,
 }
 
+/// The checkpoint without its engine state (encoded with postcard; the state follows raw).
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    job: String,
+    namespace: String,
+    job_version: u32,
+    epoch: u64,
+    position: Option<i64>,
+    late: Vec<LateEvent>,
+    created_ms: i64,
+}
+
 impl Checkpoint {
-    /// The blob: magic, format version, then the checkpoint (postcard).
+    /// The blob: magic, format version (`u32`), the length of the metadata (`u64`), the
+    /// metadata (postcard), then the engine state as it is (already a versioned format;
+    /// copied, not re-encoded).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let mut out = Vec::with_capacity(self.engine_state.len() + 1024);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&CHECKPOINT_FORMAT_VERSION.to_le_bytes());
-        postcard::to_io(self, &mut out).map_err(|e| {
+        let meta = Meta {
+            job: self.job.clone(),
+            namespace: self.namespace.clone(),
+            job_version: self.job_version,
+            epoch: self.epoch,
+            position: self.position,
+            late: self.late.clone(),
+            created_ms: self.created_ms,
+        };
+        let meta = postcard::to_stdvec(&meta).map_err(|e| {
             RunnerError::new(ErrorKind::Internal, format!("encode checkpoint: {e}"))
         })?;
+        let mut out = Vec::with_capacity(16 + meta.len() + self.engine_state.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&CHECKPOINT_FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+        out.extend_from_slice(&meta);
+        out.extend_from_slice(&self.engine_state);
         Ok(out)
     }
 
     /// Parses a blob written by [`Checkpoint::to_bytes`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        if bytes.len() < 8 || &bytes[..4] != MAGIC {
-            return Err(RunnerError::new(
+        let invalid = |what: &str| {
+            RunnerError::new(
                 ErrorKind::InvalidInput,
-                "not a SignalWeave checkpoint",
-            ));
+                format!("not a SignalWeave checkpoint: {what}"),
+            )
+        };
+        if bytes.len() < 16 || &bytes[..4] != MAGIC {
+            return Err(invalid("bad magic"));
         }
         let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
         if version != CHECKPOINT_FORMAT_VERSION {
@@ -78,8 +111,28 @@ impl Checkpoint {
                 ),
             ));
         }
-        postcard::from_bytes(&bytes[8..]).map_err(|e| {
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[8..16]);
+        let meta_len = usize::try_from(u64::from_le_bytes(len)).map_err(|_| invalid("length"))?;
+        let meta_end = 16usize
+            .checked_add(meta_len)
+            .ok_or_else(|| invalid("length"))?;
+        if meta_end > bytes.len() {
+            return Err(invalid("truncated"));
+        }
+        let meta: Meta = postcard::from_bytes(&bytes[16..meta_end]).map_err(|e| {
             RunnerError::new(ErrorKind::InvalidInput, format!("decode checkpoint: {e}"))
+        })?;
+        Ok(Self {
+            job: meta.job,
+            namespace: meta.namespace,
+            job_version: meta.job_version,
+            epoch: meta.epoch,
+            position: meta.position,
+            engine_state: bytes[meta_end..].to_vec(),
+            outputs: Vec::new(),
+            late: meta.late,
+            created_ms: meta.created_ms,
         })
     }
 }
@@ -155,8 +208,10 @@ impl CheckpointStore {
 
     /// Writes `checkpoint`'s blob and records it as prepared (not yet current).
     pub async fn write(&self, checkpoint: &Checkpoint) -> Result<CheckpointRef> {
+        let t = std::time::Instant::now();
         let bytes = checkpoint.to_bytes()?;
         let size = bytes.len() as u64;
+        let encoded_ms = t.elapsed().as_millis();
         let location = self.lake.blob_location(&format!(
             "checkpoints/{}/{}/{:012}-{}.ckpt",
             self.job,
@@ -165,6 +220,7 @@ impl CheckpointStore {
             uuid::Uuid::new_v4().simple()
         ));
         self.lake.put_blob(&location, bytes).await?;
+        tracing::debug!(job = %self.job, epoch = checkpoint.epoch, encoded_ms, written_ms = t.elapsed().as_millis() - encoded_ms, "checkpoint blob");
         // A crash's leftover row for the same epoch is replaced (its blob is deleted below).
         let old = self.row(checkpoint.epoch).await?;
         sqlx::query(
@@ -407,9 +463,7 @@ mod tests {
             ErrorKind::Config
         );
         assert_eq!(
-            Checkpoint::from_bytes(&bytes[..bytes.len() - 2])
-                .unwrap_err()
-                .kind(),
+            Checkpoint::from_bytes(&bytes[..18]).unwrap_err().kind(),
             ErrorKind::InvalidInput
         );
     }

@@ -4,8 +4,8 @@
 //! # The checkpoint protocol
 //!
 //! Epoch `e` ends with:
-//! 1. the checkpoint blob of `e` (source position, engine state, the epoch's outputs and
-//!    late records) is written and recorded as *prepared*;
+//! 1. the checkpoint blob of `e` (source position, engine state, the epoch's late records)
+//!    is written and recorded as *prepared*;
 //! 2. the sink commits the outputs to the job's output table and then the late records to
 //!    `late_events`, each an append whose snapshot summary carries the job, the namespace
 //!    and the epoch (commit identity `(sink writer, e)`);
@@ -14,8 +14,9 @@
 //!
 //! The first sink commit is the commit point. On start the job reads the pointer; if a
 //! prepared checkpoint after it has a sink commit, the pointer rolls forward to it. It then
-//! restores that checkpoint and commits its outputs and late records again: commits that
-//! exist are recognised by their identity and skipped, so replay is harmless. A crash
+//! restores that checkpoint and commits its late records again (its outputs are committed:
+//! that made it current); commits that exist are recognised by their identity and skipped,
+//! so replay is harmless. A crash
 //! before the first sink commit of `e` loses nothing: the job restarts from `e - 1` and
 //! reads the same snapshots again. Output versions that no commit made visible may be
 //! emitted again with other values; versions that were committed never are.
@@ -183,6 +184,7 @@ pub struct LiveJob {
     pending_outputs: Vec<OutputRow>,
     pending_late: Vec<LateEvent>,
     last_checkpoint: Instant,
+    last_probe: Instant,
     max_event_time: i64,
     freshness: Freshness,
     metrics: Arc<RunnerMetrics>,
@@ -243,6 +245,7 @@ impl LiveJob {
             pending_outputs: Vec::new(),
             pending_late: Vec::new(),
             last_checkpoint: Instant::now(),
+            last_probe: Instant::now(),
             max_event_time: i64::MIN,
             metrics,
             status,
@@ -263,7 +266,9 @@ impl LiveJob {
             }
         }
         if let Some(epoch) = pointer {
+            let loading = Instant::now();
             let (r, checkpoint) = job.store.load(epoch).await?;
+            let loaded_ms = loading.elapsed().as_millis();
             if checkpoint.job_version != job.spec.version {
                 return Err(RunnerError::new(
                     ErrorKind::Config,
@@ -279,6 +284,14 @@ impl LiveJob {
                 engine_config,
                 &checkpoint.engine_state,
             )?;
+            tracing::info!(
+                job = %job.spec.name,
+                epoch,
+                bytes = r.bytes,
+                load_ms = loaded_ms,
+                restore_ms = loading.elapsed().as_millis() - loaded_ms,
+                "checkpoint restored"
+            );
             job.position = checkpoint.position;
             job.checkpointed_position = checkpoint.position;
             job.epoch = epoch;
@@ -377,6 +390,7 @@ impl LiveJob {
     /// `max_snapshots_per_step`), process them, fire triggers, and checkpoint when the
     /// interval has passed (or `force_checkpoint`).
     pub async fn step(&mut self, force_checkpoint: bool) -> Result<StepReport> {
+        let step_started = Instant::now();
         let mut report = StepReport::default();
         let plan = self
             .lake
@@ -442,9 +456,22 @@ impl LiveJob {
             self.position = plan.upto;
         }
         let now = now_us();
+        let fire_started = Instant::now();
         let rows = self.engine.fire(now);
+        let fire_ms = fire_started.elapsed().as_millis();
         self.freshness.emitted(&rows, now);
         report.emitted = rows.len();
+        if report.records > 0 || !rows.is_empty() {
+            tracing::debug!(
+                job = %self.spec.name,
+                snapshots = report.snapshots,
+                records = report.records,
+                read_and_process_ms = step_started.elapsed().as_millis() - fire_ms,
+                fire_ms,
+                emitted = rows.len(),
+                "step"
+            );
+        }
         self.pending_outputs.extend(rows);
         let due =
             force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
@@ -456,6 +483,14 @@ impl LiveJob {
         if due && changed {
             self.checkpoint().await?;
             report.checkpointed = true;
+        } else if report.snapshots == 0
+            && self.last_probe.elapsed()
+                >= self.config.checkpoint_interval.max(Duration::from_secs(1))
+        {
+            // Idle: nothing touches the object store, so ask it, and stall visibly when
+            // it does not answer.
+            self.last_probe = Instant::now();
+            self.lake.probe_store().await?;
         }
         self.observe_lag().await;
         Ok(report)
@@ -472,12 +507,19 @@ impl LiveJob {
             job_version: self.spec.version,
             epoch,
             position: self.position,
-            engine_state: self.engine.snapshot()?,
+            engine_state: {
+                let t = Instant::now();
+                let state = self.engine.snapshot()?;
+                tracing::debug!(job = %self.spec.name, epoch, bytes = state.len(), ms = t.elapsed().as_millis(), "engine state snapshot");
+                state
+            },
             outputs: std::mem::take(&mut self.pending_outputs),
             late: std::mem::take(&mut self.pending_late),
             created_ms: chrono::Utc::now().timestamp_millis(),
         };
+        let encoded_at = Instant::now();
         let written = self.store.write(&checkpoint).await?;
+        tracing::debug!(job = %self.spec.name, epoch, bytes = written.bytes, snapshot_and_write_ms = (encoded_at - started).as_millis() + encoded_at.elapsed().as_millis(), "checkpoint written");
         self.fault(FaultStage::AfterCheckpoint, epoch);
         let sink_started = Instant::now();
         let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;

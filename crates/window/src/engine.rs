@@ -340,11 +340,11 @@ impl WindowEngine {
         id
     }
 
-    fn is_session(&self) -> bool {
+    pub(crate) fn is_session(&self) -> bool {
         matches!(self.spec.window, WindowSpec::Session { .. })
     }
 
-    fn window_bounds(&self, start_pane: i64) -> (i64, i64) {
+    pub(crate) fn window_bounds(&self, start_pane: i64) -> (i64, i64) {
         let start = start_pane.saturating_mul(self.pane_us);
         (
             start,
@@ -792,7 +792,10 @@ impl WindowEngine {
             if *entry.key() > wm {
                 break;
             }
-            let (at, timers) = entry.remove_entry();
+            let (at, mut timers) = entry.remove_entry();
+            // A canonical order (key, window, kind), not the order of scheduling: a
+            // restored engine, which rebuilds its timers from its windows, fires alike.
+            timers.sort_unstable_by_key(|t| (t.key, t.start, matches!(t.kind, TimerKind::Retire)));
             for timer in timers {
                 self.run_timer(at, timer, wm, proc_time_us, &mut out);
             }

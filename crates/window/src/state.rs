@@ -2,7 +2,7 @@
 //! versioned bytes; and the observable state size.
 //!
 //! Format: the magic `SWWE`, a little-endian `u32` format version, then the
-//! [postcard](https://docs.rs/postcard) encoding of [`StateV1`]. A reader refuses other
+//! [postcard](https://docs.rs/postcard) encoding of [`StateV2`] (flat columns). A reader refuses other
 //! magics, newer versions, and a state written for another job, job version or key-group
 //! count.
 
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
-use crate::engine::{EngineConfig, PaneRef, Session, Timer, WindowEngine, WindowMeta};
+use crate::engine::{EngineConfig, PaneRef, Session, Timer, TimerKind, WindowEngine, WindowMeta};
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
 use crate::spec::JobSpec;
@@ -21,35 +21,93 @@ use crate::watermark::Watermarks;
 
 const MAGIC: &[u8; 4] = b"SWWE";
 /// Current state format version.
-pub const STATE_FORMAT_VERSION: u32 = 1;
+pub const STATE_FORMAT_VERSION: u32 = 2;
 
+/// Version 2 of the serialized state: flat columns, the big ones as raw little-endian
+/// bytes (no allocation per key or pane, no per-value encoding), so snapshot and restore
+/// of millions of panes stay a few memory copies. Local key ids index `key_names`.
 #[derive(Debug, Serialize, Deserialize)]
-struct KeyState {
-    name: String,
-    panes: Vec<(i64, Vec<i64>, bool)>,
-    windows: Vec<(i64, WindowMeta)>,
-    sessions: Vec<(i64, Session)>,
-    session_frontier: Option<i64>,
-}
-
-/// Version 1 of the serialized state.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct StateV1 {
+pub struct StateV2 {
     job: String,
     job_version: u32,
     namespace: String,
     key_groups: u16,
-    keys: Vec<KeyState>,
-    timers: Vec<(i64, Vec<Timer>)>,
+    key_names: Vec<String>,
+    session_frontier: Vec<(u32, i64)>,
+    /// Panes, sorted by (key, pane): key (`u32`), start (`i64`), dirty (`u8`).
+    pane_keys: Column,
+    pane_starts: Column,
+    pane_dirty: Column,
+    /// `stride` accumulator slots (`i64`) per pane, in pane order.
+    slab: Column,
+    /// Windows, sorted by (key, start): key (`u32`), start (`i64`), last version (`u32`),
+    /// flags (`u8`: 1 closed, 2 dirty).
+    window_keys: Column,
+    window_starts: Column,
+    window_versions: Column,
+    window_flags: Column,
+    sessions: Vec<(u32, i64, Session)>,
+    /// Timers in firing order: time (`i64`), key (`u32`), window start (`i64`), kind
+    /// (`u8`: 0 on time, 1 retire). Empty for tumbling and sliding windows, whose one timer
+    /// per window follows from the window (on time at its end while open, retire at end +
+    /// allowed lateness once closed) and is rebuilt on restore.
+    timer_at: Column,
+    timer_keys: Column,
+    timer_starts: Column,
+    timer_kinds: Column,
     dirty_panes: Vec<(u32, i64)>,
     early_queue: Vec<(u32, i64)>,
     correction_queue: Vec<(u32, i64)>,
     pending: Vec<OutputRow>,
-    dedup: Vec<(u128, i64, u16)>,
+    /// Dedup identities, sorted: hash (`u128`), expiry (`i64`), key group (`u16`).
+    dedup_ids: Column,
+    dedup_expiry: Column,
+    dedup_groups: Column,
     dedup_swept_at: i64,
     watermarks: Watermarks,
     next_early_at: Option<i64>,
 }
+
+/// A column of fixed-width little-endian values, serialized as one byte string.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Column(#[serde(with = "serde_bytes")] Vec<u8>);
+
+macro_rules! column_codec {
+    ($put:ident, $get:ident, $t:ty) => {
+        fn $put(values: impl ExactSizeIterator<Item = $t>) -> Column {
+            let mut out = Vec::with_capacity(values.len() * std::mem::size_of::<$t>());
+            for v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Column(out)
+        }
+
+        fn $get(column: &Column, n: usize) -> Result<Vec<$t>> {
+            const W: usize = std::mem::size_of::<$t>();
+            if column.0.len() != n * W {
+                return Err(WindowError::new(
+                    ErrorKind::InvalidInput,
+                    "corrupt window state: columns disagree",
+                ));
+            }
+            Ok(column
+                .0
+                .chunks_exact(W)
+                .map(|c| {
+                    let mut b = [0u8; W];
+                    b.copy_from_slice(c);
+                    <$t>::from_le_bytes(b)
+                })
+                .collect())
+        }
+    };
+}
+
+column_codec!(put_u8, get_u8, u8);
+column_codec!(put_u16, get_u16, u16);
+column_codec!(put_u32, get_u32, u32);
+column_codec!(put_i64, get_i64, i64);
+column_codec!(put_u128, get_u128, u128);
 
 /// How much state the engine holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -80,55 +138,92 @@ impl WindowEngine {
     pub fn snapshot_key_groups(&self, groups: RangeInclusive<u16>) -> Result<Vec<u8>> {
         let stride = self.layout.stride;
         let mut keep: Vec<Option<u32>> = vec![None; self.key_names.len()];
-        let mut keys: Vec<KeyState> = Vec::new();
+        let mut key_names: Vec<String> = Vec::new();
         for (id, name) in self.key_names.iter().enumerate() {
             if groups.contains(&self.key_group[id]) {
-                keep[id] = Some(keys.len() as u32);
-                keys.push(KeyState {
-                    name: name.to_string(),
-                    panes: Vec::new(),
-                    windows: Vec::new(),
-                    sessions: Vec::new(),
-                    session_frontier: self.session_frontier.get(&(id as u32)).copied(),
-                });
+                keep[id] = Some(key_names.len() as u32);
+                key_names.push(name.to_string());
             }
         }
         let remap = |id: u32| keep.get(id as usize).copied().flatten();
-        let mut panes: Vec<_> = self.panes.iter().collect();
-        panes.sort_by_key(|((k, p), _)| (*k, *p));
-        for ((key, pane), r) in panes {
-            if let Some(n) = remap(*key) {
-                let base = r.slab as usize * stride;
-                keys[n as usize].panes.push((
-                    *pane,
-                    self.slab[base..base + stride].to_vec(),
-                    r.dirty,
-                ));
-            }
-        }
-        let mut windows: Vec<_> = self.windows.iter().collect();
-        windows.sort_by_key(|((k, w), _)| (*k, *w));
-        for ((key, w), meta) in windows {
-            if let Some(n) = remap(*key) {
-                keys[n as usize].windows.push((*w, *meta));
-            }
-        }
-        for (key, sessions) in &self.sessions {
-            if let Some(n) = remap(*key) {
-                keys[n as usize].sessions = sessions.iter().map(|(s, v)| (*s, v.clone())).collect();
-            }
-        }
-        let timers = self
-            .timers
+        let mut session_frontier: Vec<(u32, i64)> = self
+            .session_frontier
             .iter()
-            .filter_map(|(at, ts)| {
-                let ts: Vec<Timer> = ts
-                    .iter()
-                    .filter_map(|t| remap(t.key).map(|key| Timer { key, ..*t }))
-                    .collect();
-                (!ts.is_empty()).then_some((*at, ts))
-            })
+            .filter_map(|(k, f)| remap(*k).map(|k| (k, *f)))
             .collect();
+        session_frontier.sort_unstable();
+        // Panes on one thread, windows and timers on another: the big columns are built
+        // side by side.
+        let ((pane_keys, pane_starts, pane_dirty, slab), (window_cols, timer_cols)) =
+            std::thread::scope(|scope| {
+                let windows_and_timers = scope.spawn(|| {
+                    let mut windows: Vec<(u32, i64, WindowMeta)> = self
+                        .windows
+                        .iter()
+                        .filter_map(|((k, w), m)| remap(*k).map(|k| (k, *w, *m)))
+                        .collect();
+                    windows.sort_unstable_by_key(|(k, w, _)| (*k, *w));
+                    let window_cols = (
+                        put_u32(windows.iter().map(|w| w.0)),
+                        put_i64(windows.iter().map(|w| w.1)),
+                        put_u32(windows.iter().map(|w| w.2.version)),
+                        put_u8(
+                            windows
+                                .iter()
+                                .map(|w| u8::from(w.2.closed) | (u8::from(w.2.dirty) << 1)),
+                        ),
+                    );
+                    drop(windows);
+                    let derived = !self.is_session();
+                    let timers: Vec<(i64, Timer)> = self
+                        .timers
+                        .iter()
+                        .filter(|_| !derived)
+                        .flat_map(|(at, ts)| ts.iter().map(move |t| (*at, *t)))
+                        .filter_map(|(at, t)| remap(t.key).map(|key| (at, Timer { key, ..t })))
+                        .collect();
+                    let timer_cols = (
+                        put_i64(timers.iter().map(|t| t.0)),
+                        put_u32(timers.iter().map(|t| t.1.key)),
+                        put_i64(timers.iter().map(|t| t.1.start)),
+                        put_u8(timers.iter().map(|t| match t.1.kind {
+                            TimerKind::OnTime => 0,
+                            TimerKind::Retire => 1,
+                        })),
+                    );
+                    (window_cols, timer_cols)
+                });
+                let mut panes: Vec<(u32, i64, u32, bool)> = self
+                    .panes
+                    .iter()
+                    .filter_map(|((k, p), r)| remap(*k).map(|k| (k, *p, r.slab, r.dirty)))
+                    .collect();
+                panes.sort_unstable_by_key(|(k, p, _, _)| (*k, *p));
+                let mut slab = Vec::with_capacity(panes.len() * stride * 8);
+                for (_, _, at, _) in &panes {
+                    let base = *at as usize * stride;
+                    for v in &self.slab[base..base + stride] {
+                        slab.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+                let pane_cols = (
+                    put_u32(panes.iter().map(|p| p.0)),
+                    put_i64(panes.iter().map(|p| p.1)),
+                    put_u8(panes.iter().map(|p| u8::from(p.3))),
+                    Column(slab),
+                );
+                let others = windows_and_timers
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                (pane_cols, others)
+            });
+        let mut sessions: Vec<(u32, i64, Session)> = Vec::new();
+        for (key, list) in &self.sessions {
+            if let Some(k) = remap(*key) {
+                sessions.extend(list.iter().map(|(s, v)| (k, *s, v.clone())));
+            }
+        }
+        sessions.sort_unstable_by_key(|(k, s, _)| (*k, *s));
         let pairs = |v: &[(u32, i64)]| -> Vec<(u32, i64)> {
             v.iter()
                 .filter_map(|(k, s)| remap(*k).map(|k| (k, *s)))
@@ -141,13 +236,26 @@ impl WindowEngine {
             .map(|(id, (exp, kg))| (*id, *exp, *kg))
             .collect();
         dedup.sort_unstable();
-        let state = StateV1 {
+        let state = StateV2 {
             job: self.spec.name.clone(),
             job_version: self.spec.version,
             namespace: self.config.namespace.clone(),
             key_groups: self.config.key_groups,
-            keys,
-            timers,
+            key_names,
+            session_frontier,
+            pane_keys,
+            pane_starts,
+            pane_dirty,
+            slab,
+            window_keys: window_cols.0,
+            window_starts: window_cols.1,
+            window_versions: window_cols.2,
+            window_flags: window_cols.3,
+            sessions,
+            timer_at: timer_cols.0,
+            timer_keys: timer_cols.1,
+            timer_starts: timer_cols.2,
+            timer_kinds: timer_cols.3,
             dirty_panes: pairs(&self.dirty_panes),
             early_queue: pairs(&self.early_queue),
             correction_queue: pairs(&self.correction_queue),
@@ -157,7 +265,9 @@ impl WindowEngine {
                 .filter(|r| groups.contains(&self.key_group_of(&r.key)))
                 .cloned()
                 .collect(),
-            dedup,
+            dedup_ids: put_u128(dedup.iter().map(|d| d.0)),
+            dedup_expiry: put_i64(dedup.iter().map(|d| d.1)),
+            dedup_groups: put_u16(dedup.iter().map(|d| d.2)),
             dedup_swept_at: self.dedup_swept_at,
             watermarks: self.watermarks.clone(),
             next_early_at: self.next_early_at,
@@ -190,7 +300,7 @@ impl WindowEngine {
                 "state format {version} is not readable by this build (reads {STATE_FORMAT_VERSION})"
             )));
         }
-        let state: StateV1 = postcard::from_bytes(&bytes[8..])
+        let state: StateV2 = postcard::from_bytes(&bytes[8..])
             .map_err(|e| bad(format!("corrupt window state: {e}")))?;
         if state.job != self.spec.name || state.job_version != self.spec.version {
             return Err(bad(format!(
@@ -216,51 +326,162 @@ impl WindowEngine {
         }
         let stride = self.layout.stride;
         // Validate everything before changing anything.
-        for k in &state.keys {
-            if self.key_ids.contains_key(k.name.as_str()) {
-                return Err(bad(format!(
-                    "key `{}` is already held by this engine",
-                    k.name
-                )));
-            }
-            let widths_ok = k.panes.iter().all(|(_, acc, _)| acc.len() == stride)
-                && k.sessions.iter().all(|(_, s)| s.acc.len() == stride);
-            if !widths_ok {
-                return Err(bad(
-                    "state accumulators do not match the job's aggregates".into()
-                ));
-            }
+        let n_keys = state.key_names.len();
+        let panes = state.pane_keys.0.len() / 4;
+        let windows = state.window_keys.0.len() / 4;
+        let dedups = state.dedup_ids.0.len() / 16;
+        let pane_keys = get_u32(&state.pane_keys, panes)?;
+        let pane_starts = get_i64(&state.pane_starts, panes)?;
+        let pane_dirty = get_u8(&state.pane_dirty, panes)?;
+        let slab = get_i64(&state.slab, panes * stride)?;
+        let window_keys = get_u32(&state.window_keys, windows)?;
+        let window_starts = get_i64(&state.window_starts, windows)?;
+        let window_versions = get_u32(&state.window_versions, windows)?;
+        let window_flags = get_u8(&state.window_flags, windows)?;
+        let dedup_ids = get_u128(&state.dedup_ids, dedups)?;
+        let dedup_expiry = get_i64(&state.dedup_expiry, dedups)?;
+        let dedup_groups = get_u16(&state.dedup_groups, dedups)?;
+        let timers = state.timer_at.0.len() / 8;
+        let timer_at = get_i64(&state.timer_at, timers)?;
+        let timer_keys = get_u32(&state.timer_keys, timers)?;
+        let timer_starts = get_i64(&state.timer_starts, timers)?;
+        let timer_kinds = get_u8(&state.timer_kinds, timers)?;
+        let consistent = pane_keys.iter().all(|k| (*k as usize) < n_keys)
+            && window_keys.iter().all(|k| (*k as usize) < n_keys)
+            && timer_keys.iter().all(|k| (*k as usize) < n_keys)
+            && timer_kinds.iter().all(|k| *k <= 1)
+            && state
+                .sessions
+                .iter()
+                .all(|(k, _, _)| (*k as usize) < n_keys);
+        if !consistent {
+            return Err(bad("corrupt window state: key ids out of range".into()));
         }
-        let mut ids = Vec::with_capacity(state.keys.len());
-        for k in state.keys {
+        if !state.sessions.iter().all(|(_, _, s)| s.acc.len() == stride) {
+            return Err(bad(
+                "state accumulators do not match the job's aggregates".into()
+            ));
+        }
+        if let Some(k) = state
+            .key_names
+            .iter()
+            .find(|k| self.key_ids.contains_key(k.as_str()))
+        {
+            return Err(bad(format!("key `{k}` is already held by this engine")));
+        }
+        // One allocation per map instead of repeated growth (millions of entries).
+        self.key_ids.reserve(n_keys);
+        self.key_names.reserve(n_keys);
+        self.key_group.reserve(n_keys);
+        self.panes.reserve(panes);
+        self.windows.reserve(windows);
+        self.slab.reserve(panes * stride);
+        self.dedup.reserve(dedups);
+        let mut ids = Vec::with_capacity(n_keys);
+        for name in state.key_names {
             let id = self.key_names.len() as u32;
-            let kg = self.key_group_of(&k.name);
-            self.key_ids.insert(k.name.as_str().into(), id);
-            self.key_names.push(k.name.into());
+            let kg = self.key_group_of(&name);
+            self.key_ids.insert(name.as_str().into(), id);
+            self.key_names.push(name.into());
             self.key_group.push(kg);
             ids.push(id);
-            for (pane, acc, dirty) in k.panes {
-                let slab = (self.slab.len() / stride) as u32;
-                self.slab.extend_from_slice(&acc);
-                self.panes.insert((id, pane), PaneRef { slab, dirty });
-            }
-            for (w, meta) in k.windows {
-                self.windows.insert((id, w), meta);
-            }
-            if !k.sessions.is_empty() {
-                let map: BTreeMap<i64, Session> = k.sessions.into_iter().collect();
-                self.sessions.insert(id, map);
-            }
-            if let Some(f) = k.session_frontier {
-                self.session_frontier.insert(id, f);
-            }
         }
         let id = |k: u32| ids.get(k as usize).copied();
-        for (at, timers) in state.timers {
-            for t in timers {
-                if let Some(key) = id(t.key) {
-                    self.timers.entry(at).or_default().push(Timer { key, ..t });
+        let first_slab = (self.slab.len() / stride) as u32;
+        self.slab.extend_from_slice(&slab);
+        let derived_timers = !self.is_session();
+        let lateness = self.lateness_us;
+        let window_ends: Vec<i64> = if derived_timers {
+            window_starts
+                .iter()
+                .map(|s| self.window_bounds(*s).1)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // The four big maps fill on two threads (disjoint fields).
+        let (panes_map, windows_map, timers_map, dedup_map) = (
+            &mut self.panes,
+            &mut self.windows,
+            &mut self.timers,
+            &mut self.dedup,
+        );
+        std::thread::scope(|scope| {
+            let other = scope.spawn(|| {
+                for i in 0..windows {
+                    if let Some(key) = id(window_keys[i]) {
+                        let closed = window_flags[i] & 1 != 0;
+                        windows_map.insert(
+                            (key, window_starts[i]),
+                            WindowMeta {
+                                version: window_versions[i],
+                                closed,
+                                dirty: window_flags[i] & 2 != 0,
+                            },
+                        );
+                        if derived_timers {
+                            let end = window_ends[i];
+                            let (at, kind) = if closed {
+                                (end.saturating_add(lateness), TimerKind::Retire)
+                            } else {
+                                (end, TimerKind::OnTime)
+                            };
+                            timers_map.entry(at).or_default().push(Timer {
+                                key,
+                                start: window_starts[i],
+                                kind,
+                            });
+                        }
+                    }
                 }
+                // Timers come in firing order: one map entry per distinct time.
+                let mut i = 0;
+                while i < timer_at.len() {
+                    let at = timer_at[i];
+                    let list = timers_map.entry(at).or_default();
+                    while i < timer_at.len() && timer_at[i] == at {
+                        if let Some(key) = id(timer_keys[i]) {
+                            let kind = if timer_kinds[i] == 0 {
+                                TimerKind::OnTime
+                            } else {
+                                TimerKind::Retire
+                            };
+                            list.push(Timer {
+                                key,
+                                start: timer_starts[i],
+                                kind,
+                            });
+                        }
+                        i += 1;
+                    }
+                }
+            });
+            for i in 0..panes {
+                if let Some(key) = id(pane_keys[i]) {
+                    panes_map.insert(
+                        (key, pane_starts[i]),
+                        PaneRef {
+                            slab: first_slab + i as u32,
+                            dirty: pane_dirty[i] != 0,
+                        },
+                    );
+                }
+            }
+            for i in 0..dedups {
+                dedup_map.insert(dedup_ids[i], (dedup_expiry[i], dedup_groups[i]));
+            }
+            other
+                .join()
+                .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        });
+        for (k, start, session) in state.sessions {
+            if let Some(key) = id(k) {
+                self.sessions.entry(key).or_default().insert(start, session);
+            }
+        }
+        for (k, f) in state.session_frontier {
+            if let Some(key) = id(k) {
+                self.session_frontier.insert(key, f);
             }
         }
         for (list, target) in [
@@ -271,9 +492,6 @@ impl WindowEngine {
             target.extend(list.into_iter().filter_map(|(k, s)| id(k).map(|k| (k, s))));
         }
         self.pending.extend(state.pending);
-        for (h, exp, kg) in state.dedup {
-            self.dedup.insert(h, (exp, kg));
-        }
         if fresh {
             self.watermarks = state.watermarks;
             self.dedup_swept_at = state.dedup_swept_at;
