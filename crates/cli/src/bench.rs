@@ -108,6 +108,10 @@ pub enum BenchCommand {
         /// The job.
         #[arg(long, default_value = "jobs/customer_features.toml")]
         job: std::path::PathBuf,
+        /// Recover the job of this namespace (left by a run with
+        /// `SW_BENCH_RECOVERY_KILL=1`, which aborts itself) in this new process.
+        #[arg(long)]
+        recover: Option<String>,
     },
     /// End-to-end freshness (event time to visible output) through an in-process gateway
     /// and live job, with the stage breakdown.
@@ -218,8 +222,18 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             events,
             tail,
             job,
+            recover,
         } => {
-            return crate::bench_live::recovery(lake, config, job, *keys, *events, *tail).await;
+            return crate::bench_live::recovery(
+                lake,
+                config,
+                job,
+                *keys,
+                *events,
+                *tail,
+                recover.as_deref(),
+            )
+            .await;
         }
         BenchCommand::Freshness {
             rate,

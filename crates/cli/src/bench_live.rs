@@ -113,9 +113,33 @@ pub async fn recovery(
     keys: u64,
     events: u64,
     tail: u64,
+    recover: Option<&str>,
 ) -> Result<()> {
     let run = crate::bench::uuid_like();
     let spec = spec(job, None)?;
+    if let Some(namespace) = recover {
+        // The restarted process: recover and catch up.
+        let start = Instant::now();
+        let mut job = LiveJob::recover(
+            lake,
+            Arc::clone(&spec),
+            config(namespace),
+            Arc::new(RunnerMetrics::new()),
+        )
+        .await?;
+        let restored = start.elapsed().as_secs_f64();
+        let replayed = catch_up(&mut job).await?;
+        let secs = start.elapsed().as_secs_f64();
+        let status = job.status().lock().map(|s| s.clone()).unwrap_or_default();
+        let (_, rss) = proc_usage().unwrap_or_default();
+        println!(
+            "recovery (new process): {secs:.2} s from start to caught up ({restored:.2} s restoring {} keys, \
+             then {replayed} events replayed and checkpointed); peak RSS {} MiB",
+            status.state_keys,
+            rss / 1_048_576
+        );
+        return Ok(());
+    }
     let writer = format!("bench-recovery-{run}");
     let workload = |events: u64, seed: u64| WorkloadSpec {
         seed,
@@ -156,6 +180,12 @@ pub async fn recovery(
     let mut tail_spec = workload(tail, 8);
     tail_spec.start_us += (events / 5_000) as i64 * 1_000_000;
     preload(&lake, tail_spec, 250_000, &format!("{writer}-tail")).await?;
+    if std::env::var("SW_BENCH_RECOVERY_KILL").is_ok_and(|v| v == "1") {
+        // kill -9 of this process: nothing runs after it; recover in a new process with
+        // `bench recovery --recover <namespace>`.
+        println!("recovery: killing the job now; recover with --recover {namespace}");
+        std::process::abort();
+    }
     drop(first);
     let fresh = Lake::open(config_).await?;
     let start = Instant::now();

@@ -2,7 +2,7 @@
 //! together.
 //!
 //! A checkpoint of epoch `e` is one blob in object storage (`_signalweave/checkpoints/
-//! <job>/<namespace>/<e>-<uuid>.ckpt`) and one row in `sw_checkpoints` naming it. The job's
+//! <catalog>/<job>/<namespace>/<e>-<uuid>.ckpt`) and one row in `sw_checkpoints` naming it. The job's
 //! current checkpoint is the epoch in `sw_checkpoint_pointers`, moved by compare-and-set
 //! in the catalog database (never by S3 conditional writes).
 //!
@@ -176,13 +176,13 @@ impl CheckpointStore {
 
     async fn create_tables(&self) -> Result<()> {
         for ddl in [
-            "CREATE TABLE IF NOT EXISTS sw_checkpoints (job VARCHAR(255) NOT NULL, \
-             namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, location VARCHAR(2000) NOT NULL, \
-             source_position BIGINT, blob_bytes BIGINT NOT NULL, created_ms BIGINT NOT NULL, \
-             PRIMARY KEY (job, namespace, epoch))",
-            "CREATE TABLE IF NOT EXISTS sw_checkpoint_pointers (job VARCHAR(255) NOT NULL, \
-             namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, updated_ms BIGINT NOT NULL, \
-             PRIMARY KEY (job, namespace))",
+            "CREATE TABLE IF NOT EXISTS sw_checkpoints (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, \
+             location VARCHAR(2000) NOT NULL, source_position BIGINT, blob_bytes BIGINT NOT NULL, \
+             created_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace, epoch))",
+            "CREATE TABLE IF NOT EXISTS sw_checkpoint_pointers (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, epoch BIGINT NOT NULL, \
+             updated_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace))",
         ] {
             sqlx::query(ddl)
                 .execute(self.lake.control_pool())
@@ -201,6 +201,10 @@ impl CheckpointStore {
         }
     }
 
+    fn catalog(&self) -> &str {
+        &self.lake.config().catalog_name
+    }
+
     /// The holder name of this job's snapshot holds.
     pub fn holder(&self) -> String {
         format!("job:{}:{}", self.job, self.namespace)
@@ -213,7 +217,8 @@ impl CheckpointStore {
         let size = bytes.len() as u64;
         let encoded_ms = t.elapsed().as_millis();
         let location = self.lake.blob_location(&format!(
-            "checkpoints/{}/{}/{:012}-{}.ckpt",
+            "checkpoints/{}/{}/{}/{:012}-{}.ckpt",
+            self.catalog(),
             self.job,
             self.namespace,
             checkpoint.epoch,
@@ -224,8 +229,9 @@ impl CheckpointStore {
         // A crash's leftover row for the same epoch is replaced (its blob is deleted below).
         let old = self.row(checkpoint.epoch).await?;
         sqlx::query(
-            &self.q("DELETE FROM sw_checkpoints WHERE job = $1 AND namespace = $2 AND epoch = $3"),
+            &self.q("DELETE FROM sw_checkpoints WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4"),
         )
+        .bind(self.catalog())
         .bind(&self.job)
         .bind(&self.namespace)
         .bind(checkpoint.epoch as i64)
@@ -233,9 +239,10 @@ impl CheckpointStore {
         .await
         .map_err(|e| RunnerError::sql("replace a prepared checkpoint", e))?;
         sqlx::query(&self.q(
-            "INSERT INTO sw_checkpoints (job, namespace, epoch, location, source_position, blob_bytes, created_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO sw_checkpoints (catalog_name, job, namespace, epoch, location, source_position, blob_bytes, created_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         ))
+        .bind(self.catalog())
         .bind(&self.job)
         .bind(&self.namespace)
         .bind(checkpoint.epoch as i64)
@@ -264,8 +271,9 @@ impl CheckpointStore {
     /// The current epoch (None: the job has never checkpointed).
     pub async fn pointer(&self) -> Result<Option<u64>> {
         let row: Option<(i64,)> = sqlx::query_as(
-            &self.q("SELECT epoch FROM sw_checkpoint_pointers WHERE job = $1 AND namespace = $2"),
+            &self.q("SELECT epoch FROM sw_checkpoint_pointers WHERE catalog_name = $1 AND job = $2 AND namespace = $3"),
         )
+        .bind(self.catalog())
         .bind(&self.job)
         .bind(&self.namespace)
         .fetch_optional(self.lake.control_pool())
@@ -280,8 +288,9 @@ impl CheckpointStore {
         let now = chrono::Utc::now().timestamp_millis();
         let moved = match from {
             None => sqlx::query(&self.q(
-                "INSERT INTO sw_checkpoint_pointers (job, namespace, epoch, updated_ms) VALUES ($1, $2, $3, $4)",
+                "INSERT INTO sw_checkpoint_pointers (catalog_name, job, namespace, epoch, updated_ms) VALUES ($1, $2, $3, $4, $5)",
             ))
+            .bind(self.catalog())
             .bind(&self.job)
             .bind(&self.namespace)
             .bind(to as i64)
@@ -295,10 +304,11 @@ impl CheckpointStore {
             })?,
             Some(from) => sqlx::query(&self.q(
                 "UPDATE sw_checkpoint_pointers SET epoch = $1, updated_ms = $2 \
-                 WHERE job = $3 AND namespace = $4 AND epoch = $5",
+                 WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND epoch = $6",
             ))
             .bind(to as i64)
             .bind(now)
+            .bind(self.catalog())
             .bind(&self.job)
             .bind(&self.namespace)
             .bind(from as i64)
@@ -326,7 +336,7 @@ impl CheckpointStore {
         Ok(self
             .rows(&self.q(
                 "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
-                 WHERE job = $1 AND namespace = $2 AND epoch = $3",
+                 WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4",
             ), Some(epoch))
             .await?
             .pop())
@@ -334,6 +344,7 @@ impl CheckpointStore {
 
     async fn rows(&self, sql: &str, epoch: Option<u64>) -> Result<Vec<CheckpointRef>> {
         let mut query = sqlx::query_as::<_, (i64, String, Option<i64>, i64, i64)>(sql)
+            .bind(self.catalog())
             .bind(&self.job)
             .bind(&self.namespace);
         if let Some(e) = epoch {
@@ -362,7 +373,7 @@ impl CheckpointStore {
         self.rows(
             &self.q(
                 "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
-                 WHERE job = $1 AND namespace = $2 ORDER BY epoch DESC",
+                 WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY epoch DESC",
             ),
             None,
         )
@@ -416,9 +427,10 @@ impl CheckpointStore {
             // The row goes first: a row never names a deleted blob.
             sqlx::query(
                 &self.q(
-                    "DELETE FROM sw_checkpoints WHERE job = $1 AND namespace = $2 AND epoch = $3",
+                    "DELETE FROM sw_checkpoints WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4",
                 ),
             )
+            .bind(self.catalog())
             .bind(&self.job)
             .bind(&self.namespace)
             .bind(r.epoch as i64)
