@@ -95,24 +95,8 @@ fn load_then_sql_counts_the_fixture_on_s3() {
         catalog_url: format!("sqlite://{}", dir.path().join("catalog.db").display()),
         warehouse: signalweave_lake::Warehouse::S3(s3),
     };
-    std::fs::write(&profile, toml_profile(&config)).unwrap();
+    std::fs::write(&profile, support::s3_profile(&config)).unwrap();
     load_and_count(&profile);
-}
-
-fn toml_profile(c: &signalweave_lake::LakeConfig) -> String {
-    let signalweave_lake::Warehouse::S3(s3) = &c.warehouse else {
-        unreachable!()
-    };
-    format!(
-        "catalog_url = \"{}\"\n[warehouse]\nkind = \"s3\"\nendpoint = \"{}\"\nregion = \"{}\"\nbucket = \"{}\"\nprefix = \"{}\"\naccess_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
-        c.catalog_url,
-        s3.endpoint.clone().unwrap_or_default(),
-        s3.region,
-        s3.bucket,
-        s3.prefix,
-        s3.access_key_id,
-        s3.secret_access_key
-    )
 }
 
 #[test]

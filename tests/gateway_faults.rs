@@ -7,7 +7,6 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -72,14 +71,6 @@ fn spawn_gateway(lake: &Path, listen: &str, interval: &str) -> GatewayProc {
         .recv_timeout(Duration::from_secs(60))
         .unwrap_or_else(|_| panic!("gateway did not start: {}", log.lock().unwrap()));
     GatewayProc { child, url, log }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn sql_row(lake: &Path, query: &str) -> Vec<i64> {
@@ -193,7 +184,7 @@ fn sigterm_drains_acknowledges_in_flight_requests_and_exits_zero() {
 fn kill_9_while_producing_loses_no_acknowledged_event_and_lands_none_twice() {
     let dir = tempfile::tempdir().unwrap();
     let lake = dir.path().join("lake");
-    let listen = format!("127.0.0.1:{}", free_port());
+    let listen = format!("127.0.0.1:{}", support::free_port());
     let mut gw = spawn_gateway(&lake, &listen, "200ms");
     let rt = runtime();
     let url = gw.url.clone();
@@ -247,35 +238,6 @@ fn kill_9_while_producing_loses_no_acknowledged_event_and_lands_none_twice() {
     );
 }
 
-fn garage_ports() -> u16 {
-    // Garage takes the S3 port, the next one (RPC) and the third after (admin).
-    for _ in 0..50 {
-        let p = free_port();
-        if p < 60_000
-            && [p + 1, p + 3]
-                .iter()
-                .all(|q| TcpListener::bind(("127.0.0.1", *q)).is_ok())
-        {
-            return p;
-        }
-    }
-    panic!("no free port block for Garage");
-}
-
-fn garage(script: &str, dir: &Path, port: u16) {
-    let out = Command::new("bash")
-        .arg(support::repo().join("minio").join(script))
-        .env("SW_GARAGE_DIR", dir)
-        .env("SW_GARAGE_PORT", port.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
@@ -286,21 +248,13 @@ fn metric(text: &str, name: &str) -> f64 {
 
 #[test]
 fn an_object_store_outage_is_answered_503_with_a_bounded_queue_and_recovers() {
-    let installed = Command::new("garage")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !installed {
-        assert!(
-            !support::required(),
-            "garage is not installed but SW_REQUIRE_SERVICES=1"
-        );
+    if !support::garage_installed() {
         eprintln!("skipped: garage is not installed");
         return;
     }
     let gdir = tempfile::tempdir().unwrap();
-    let port = garage_ports();
-    garage("garage-up.sh", gdir.path(), port);
+    let port = support::garage_ports();
+    support::garage("garage-up.sh", gdir.path(), port);
     let profile = gdir.path().join("profile.toml");
     let gw = spawn_gateway(&profile, "127.0.0.1:0", "500ms");
     let rt = runtime();
@@ -319,7 +273,7 @@ fn an_object_store_outage_is_answered_503_with_a_bounded_queue_and_recovers() {
         ));
         tokio::time::sleep(Duration::from_secs(4)).await;
         let d = gdir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || garage("garage-down.sh", &d, port))
+        tokio::task::spawn_blocking(move || support::garage("garage-down.sh", &d, port))
             .await
             .unwrap();
         let down_at = Instant::now();
@@ -359,7 +313,7 @@ fn an_object_store_outage_is_answered_503_with_a_bounded_queue_and_recovers() {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         let d = gdir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || garage("garage-up.sh", &d, port))
+        tokio::task::spawn_blocking(move || support::garage("garage-up.sh", &d, port))
             .await
             .unwrap();
         (run.await.unwrap(), refusals, max_queue)
@@ -390,5 +344,5 @@ fn an_object_store_outage_is_answered_503_with_a_bounded_queue_and_recovers() {
         ),
         [n, n]
     );
-    garage("garage-down.sh", gdir.path(), port);
+    support::garage("garage-down.sh", gdir.path(), port);
 }

@@ -9,7 +9,6 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -275,14 +274,6 @@ impl Proc {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// GET `url` with a short timeout: the status code and body, or None when nothing answers.
 fn fetch(url: &str) -> Option<(u16, String)> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -318,7 +309,7 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
     let lake = dir.path().join("lake");
     let job = strict_job(dir.path());
     load_fixture(&lake);
-    let port = free_port();
+    let port = support::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let mut cmd = sw(&lake);
     cmd.args(["run", "--job", job.to_str().unwrap()])
@@ -392,56 +383,19 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
     assert!(log.contains("stopped at epoch"), "{log}");
 }
 
-fn garage_ports() -> u16 {
-    // Garage takes the S3 port, the next one (RPC) and the third after (admin).
-    for _ in 0..50 {
-        let p = free_port();
-        if p < 60_000
-            && [p + 1, p + 3]
-                .iter()
-                .all(|q| TcpListener::bind(("127.0.0.1", *q)).is_ok())
-        {
-            return p;
-        }
-    }
-    panic!("no free port block for Garage");
-}
-
-fn garage(script: &str, dir: &Path, port: u16) {
-    let out = Command::new("bash")
-        .arg(support::repo().join("minio").join(script))
-        .env("SW_GARAGE_DIR", dir)
-        .env("SW_GARAGE_PORT", port.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn status_json(base: &str) -> Option<Value> {
     get(&format!("{base}/v1/status")).map(|s| serde_json::from_str::<Value>(&s).unwrap()[0].clone())
 }
 
 #[test]
 fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() {
-    let installed = Command::new("garage")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !installed {
-        assert!(
-            !support::required(),
-            "garage is not installed but SW_REQUIRE_SERVICES=1"
-        );
+    if !support::garage_installed() {
         eprintln!("skipped: garage is not installed");
         return;
     }
     let gdir = tempfile::tempdir().unwrap();
-    let port = garage_ports();
-    garage("garage-up.sh", gdir.path(), port);
+    let port = support::garage_ports();
+    support::garage("garage-up.sh", gdir.path(), port);
     let lake = gdir.path().join("profile.toml");
     let job = strict_job(gdir.path());
     // The fixture in two halves: one before the outage, one after.
@@ -465,7 +419,7 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
             .unwrap()
     };
     ok(load(&halves[0]));
-    let serve_port = free_port();
+    let serve_port = support::free_port();
     let base = format!("http://127.0.0.1:{serve_port}");
     let mut cmd = sw(&lake);
     cmd.args([
@@ -481,7 +435,7 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
     wait_until("the first half", Duration::from_secs(60), || {
         status_json(&base).is_some_and(|s| s["lag_snapshots"] == 0 && s["epoch"].as_u64() > Some(0))
     });
-    garage("garage-down.sh", gdir.path(), port);
+    support::garage("garage-down.sh", gdir.path(), port);
     let down = Instant::now();
     wait_until(
         "the job to report the outage",
@@ -506,7 +460,7 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
     );
     assert!(String::from_utf8_lossy(&status.stdout).contains("stalled"));
     std::thread::sleep(Duration::from_secs(30).saturating_sub(down.elapsed()));
-    garage("garage-up.sh", gdir.path(), port);
+    support::garage("garage-up.sh", gdir.path(), port);
     // The store is back: the second half lands, and the job catches up by itself.
     let start = Instant::now();
     loop {
@@ -536,24 +490,7 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
     p.terminate();
     recount_matches(&lake, &job);
     no_version_twice(&lake);
-    garage("garage-down.sh", gdir.path(), port);
-}
-
-fn profile(c: &signalweave_lake::LakeConfig) -> String {
-    let signalweave_lake::Warehouse::S3(s3) = &c.warehouse else {
-        unreachable!("only S3 backends need a profile")
-    };
-    format!(
-        "catalog_name = \"{}\"\ncatalog_url = \"{}\"\n[warehouse]\nkind = \"s3\"\nendpoint = \"{}\"\nregion = \"{}\"\nbucket = \"{}\"\nprefix = \"{}\"\naccess_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
-        c.catalog_name,
-        c.catalog_url,
-        s3.endpoint.clone().unwrap_or_default(),
-        s3.region,
-        s3.bucket,
-        s3.prefix,
-        s3.access_key_id,
-        s3.secret_access_key
-    )
+    support::garage("garage-down.sh", gdir.path(), port);
 }
 
 /// The live job on Garage with a SQLite and with a PostgreSQL catalog: outputs equal the
@@ -570,7 +507,7 @@ fn the_live_job_runs_on_s3_with_sqlite_and_postgresql_catalogs() {
     }
     for b in backends {
         let path = b.dir.path().join("profile.toml");
-        std::fs::write(&path, profile(&b.config)).unwrap();
+        std::fs::write(&path, support::s3_profile(&b.config)).unwrap();
         let job = strict_job(b.dir.path());
         load_fixture(&path);
         let crashed = run_caught_up(&path, &job, Some("after_sink_commit@2"));
@@ -598,7 +535,7 @@ fn up_runs_gateway_job_and_serving_in_one_process() {
         .replace("early_every = \"20s\"", "early_every = \"1s\"");
     let job = dir.path().join("market_aggregates.toml");
     std::fs::write(&job, text).unwrap();
-    let (gw_port, serve_port) = (free_port(), free_port());
+    let (gw_port, serve_port) = (support::free_port(), support::free_port());
     let gateway = format!("http://127.0.0.1:{gw_port}");
     let base = format!("http://127.0.0.1:{serve_port}");
     let mut cmd = sw(&lake);

@@ -107,3 +107,75 @@ pub fn backends() -> Vec<Backend> {
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
+
+/// A free TCP port on 127.0.0.1 (free when asked; bind it soon).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// True when the `garage` binary is installed; with `SW_REQUIRE_SERVICES=1` its absence
+/// fails the test instead.
+pub fn garage_installed() -> bool {
+    let installed = std::process::Command::new("garage")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        installed || !required(),
+        "garage is not installed but SW_REQUIRE_SERVICES=1"
+    );
+    installed
+}
+
+/// A port for a private Garage: it takes the S3 port, the next one (RPC) and the third
+/// after (admin).
+pub fn garage_ports() -> u16 {
+    for _ in 0..50 {
+        let p = free_port();
+        if p < 60_000
+            && [p + 1, p + 3]
+                .iter()
+                .all(|q| std::net::TcpListener::bind(("127.0.0.1", *q)).is_ok())
+        {
+            return p;
+        }
+    }
+    panic!("no free port block for Garage");
+}
+
+/// Runs `minio/<script>` (`garage-up.sh`, `garage-down.sh`) for a private Garage in `dir`.
+pub fn garage(script: &str, dir: &std::path::Path, port: u16) {
+    let out = std::process::Command::new("bash")
+        .arg(repo().join("minio").join(script))
+        .env("SW_GARAGE_DIR", dir)
+        .env("SW_GARAGE_PORT", port.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A lake profile file (TOML) for an S3 backend's configuration.
+pub fn s3_profile(c: &LakeConfig) -> String {
+    let Warehouse::S3(s3) = &c.warehouse else {
+        unreachable!("only S3 backends need a profile")
+    };
+    format!(
+        "catalog_name = \"{}\"\ncatalog_url = \"{}\"\n[warehouse]\nkind = \"s3\"\nendpoint = \"{}\"\nregion = \"{}\"\nbucket = \"{}\"\nprefix = \"{}\"\naccess_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
+        c.catalog_name,
+        c.catalog_url,
+        s3.endpoint.clone().unwrap_or_default(),
+        s3.region,
+        s3.bucket,
+        s3.prefix,
+        s3.access_key_id,
+        s3.secret_access_key
+    )
+}

@@ -44,19 +44,6 @@ fn config(namespace: &str) -> LiveConfig {
     }
 }
 
-/// Steps `job` until a step reads nothing, then checkpoints. Returns records read.
-async fn catch_up(job: &mut LiveJob) -> Result<u64> {
-    let mut records = 0;
-    loop {
-        let r = job.step(false).await?;
-        records += r.records;
-        if r.snapshots == 0 {
-            job.step(true).await?;
-            return Ok(records);
-        }
-    }
-}
-
 /// Live processing throughput: `events` landed first, then one live job from its start
 /// to caught up (tail + engine + sink + checkpoints).
 pub async fn throughput(lake: Lake, job: &Path, events: u64, batch: usize) -> Result<()> {
@@ -84,7 +71,7 @@ pub async fn throughput(lake: Lake, job: &Path, events: u64, batch: usize) -> Re
         Arc::new(RunnerMetrics::new()),
     )
     .await?;
-    let records = catch_up(&mut live).await?;
+    let records = live.catch_up().await?;
     let secs = start.elapsed().as_secs_f64();
     let (cpu1, rss) = proc_usage().unwrap_or_default();
     let status = live.status().lock().map(|s| s.clone()).unwrap_or_default();
@@ -128,7 +115,7 @@ pub async fn recovery(
         )
         .await?;
         let restored = start.elapsed().as_secs_f64();
-        let replayed = catch_up(&mut job).await?;
+        let replayed = job.catch_up().await?;
         let secs = start.elapsed().as_secs_f64();
         let status = job.status().lock().map(|s| s.clone()).unwrap_or_default();
         let (_, rss) = proc_usage().unwrap_or_default();
@@ -162,7 +149,7 @@ pub async fn recovery(
     )
     .await?;
     let t = Instant::now();
-    catch_up(&mut first).await?;
+    first.catch_up().await?;
     let caught_up = t.elapsed().as_secs_f64();
     // A live job at rest: its early trigger has fired since the last records, and a
     // checkpoint followed (what a job that ran for a while looks like when it dies).
@@ -197,7 +184,7 @@ pub async fn recovery(
     )
     .await?;
     let restored = start.elapsed().as_secs_f64();
-    let replayed = catch_up(&mut job).await?;
+    let replayed = job.catch_up().await?;
     let secs = start.elapsed().as_secs_f64();
     println!(
         "recovery: {:.2} s from start to caught up ({restored:.2} s restoring {} keys, then {replayed} events replayed and checkpointed)",
@@ -235,14 +222,8 @@ pub async fn freshness(
     let spec = spec(b.job, b.early_every)?;
     let mut gw_config = crate::ingest::gateway_config(b.gateway_config)?;
     gw_config.listen = "127.0.0.1:0".parse()?;
-    let listener = tokio::net::TcpListener::bind(gw_config.listen).await?;
-    let addr = listener.local_addr()?;
-    let gateway =
-        signalweave_gateway::Gateway::start(gw_config, lake.clone(), Arc::new(registry)).await?;
-    let (stop_gw, mut gw_rx) = tokio::sync::watch::channel(false);
-    let gw_task = tokio::spawn(gateway.serve(listener, async move {
-        let _ = gw_rx.wait_for(|s| *s).await;
-    }));
+    let gateway = crate::live::BackgroundGateway::start(&lake, registry, gw_config).await?;
+    let addr = gateway.addr;
     let live_config = LiveConfig {
         freshness_sample_every: 16,
         ..config(&format!("bench_{run}"))
@@ -255,11 +236,9 @@ pub async fn freshness(
         Arc::new(RunnerMetrics::new()),
     )
     .await?;
-    catch_up(&mut job).await?;
-    let (stop_job, mut job_rx) = tokio::sync::watch::channel(false);
-    let job_task = tokio::spawn(job.run(async move {
-        let _ = job_rx.wait_for(|s| *s).await;
-    }));
+    job.catch_up().await?;
+    let (stop_job, job_stopped) = crate::live::stop_signal();
+    let job_task = tokio::spawn(job.run(job_stopped));
     let mut pc = ProducerConfig::new(format!("http://{addr}"), "sw-dev-tenant-0");
     pc.concurrency = 32;
     let producer = Producer::start(pc)?;
@@ -280,8 +259,7 @@ pub async fn freshness(
     // Let the last events become visible: a trigger period and a checkpoint.
     tokio::time::sleep(b.early_every.unwrap_or(Duration::from_secs(20)) + Duration::from_secs(3))
         .await;
-    let _ = stop_gw.send(true);
-    let _ = gw_task.await;
+    gateway.stop().await?;
     let _ = stop_job.send(true);
     let job = job_task.await??;
     let (cpu1, rss) = proc_usage().unwrap_or_default();

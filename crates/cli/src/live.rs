@@ -223,44 +223,101 @@ impl Jobs {
 
 /// Steps `job` until a step reads nothing new, then commits a last checkpoint.
 async fn run_until_caught_up(mut job: LiveJob) -> Result<()> {
-    loop {
-        let r = job.step(false).await?;
-        if r.snapshots == 0 {
-            job.step(true).await?;
-            eprintln!(
-                "job caught up: epoch {}, source position {}",
-                job.epoch(),
-                job.position()
-                    .map(|p| p.to_string())
-                    .unwrap_or_else(|| "(start)".into())
-            );
-            return Ok(());
-        }
+    job.catch_up().await?;
+    eprintln!(
+        "job caught up: epoch {}, source position {}",
+        job.epoch(),
+        job.position()
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "(start)".into())
+    );
+    Ok(())
+}
+
+/// A stop signal: send `true` on the sender, and the future resolves.
+pub(crate) fn stop_signal() -> (
+    watch::Sender<bool>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, mut rx) = watch::channel(false);
+    (tx, async move {
+        let _ = rx.wait_for(|s| *s).await;
+    })
+}
+
+/// The gateway serving in the background on the lake.
+pub(crate) struct BackgroundGateway {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    task:
+        tokio::task::JoinHandle<signalweave_gateway::Result<signalweave_gateway::CommitterReport>>,
+}
+
+impl BackgroundGateway {
+    /// Binds `config.listen` and serves.
+    pub async fn start(
+        lake: &Lake,
+        registry: SchemaRegistry,
+        config: signalweave_gateway::GatewayConfig,
+    ) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        let addr = listener.local_addr()?;
+        let gateway = Gateway::start(config, lake.clone(), Arc::new(registry)).await?;
+        let (stop, stopped) = stop_signal();
+        let task = tokio::spawn(gateway.serve(listener, stopped));
+        Ok(Self { addr, stop, task })
+    }
+
+    /// Drains: every admitted event is committed and acknowledged.
+    pub async fn stop(self) -> Result<signalweave_gateway::CommitterReport> {
+        let _ = self.stop.send(true);
+        let report = self.task.await.context("gateway task")??;
+        eprintln!(
+            "gateway stopped: {} commits, {} events committed, {} abandoned",
+            report.commits, report.events, report.abandoned_events
+        );
+        Ok(report)
+    }
+}
+
+/// The serving API of running jobs, in the background.
+struct BackgroundServing {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl BackgroundServing {
+    async fn start(lake: &Lake, jobs: &Jobs, addr: SocketAddr) -> Result<Self> {
+        let serving = Serving::new(
+            lake.clone(),
+            jobs.served.clone(),
+            Some(Arc::clone(&jobs.metrics)),
+            jobs.statuses.clone(),
+        )?;
+        let (listener, addr) = Serving::bind(addr).await?;
+        let (stop, stopped) = stop_signal();
+        let task = tokio::spawn(async move { serving.serve(listener, stopped).await });
+        Ok(Self { addr, stop, task })
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
     }
 }
 
 /// `signalweave run`.
 pub async fn run(lake: Lake, args: &RunArgs) -> Result<ExitCode> {
     let jobs = Jobs::start(&lake, &args.jobs, args.until_caught_up).await?;
-    let (serve_stop, serve_rx) = watch::channel(false);
-    let server = match args.serve {
+    let serving = match args.serve {
         Some(addr) => {
-            let serving = Serving::new(
-                lake.clone(),
-                jobs.served.clone(),
-                Some(Arc::clone(&jobs.metrics)),
-                jobs.statuses.clone(),
-            )?;
-            let (listener, addr) = Serving::bind(addr).await?;
-            eprintln!("serving on http://{addr}");
-            let mut rx = serve_rx.clone();
-            Some(tokio::spawn(async move {
-                serving
-                    .serve(listener, async move {
-                        let _ = rx.wait_for(|s| *s).await;
-                    })
-                    .await
-            }))
+            let serving = BackgroundServing::start(&lake, &jobs, addr).await?;
+            eprintln!("serving on http://{}", serving.addr);
+            Some(serving)
         }
         None => None,
     };
@@ -271,9 +328,8 @@ pub async fn run(lake: Lake, args: &RunArgs) -> Result<ExitCode> {
         eprintln!("stopping: committing a last checkpoint");
         jobs.stop().await
     };
-    let _ = serve_stop.send(true);
-    if let Some(s) = server {
-        let _ = s.await;
+    if let Some(s) = serving {
+        s.stop().await;
     }
     result?;
     Ok(ExitCode::SUCCESS)
@@ -287,31 +343,10 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
     if let Some(listen) = args.gateway_listen {
         gw_config.listen = listen;
     }
-    let gw_listener = tokio::net::TcpListener::bind(gw_config.listen)
-        .await
-        .with_context(|| format!("binding {}", gw_config.listen))?;
-    let gw_addr = gw_listener.local_addr()?;
-    let gateway = Gateway::start(gw_config, lake.clone(), Arc::new(registry)).await?;
+    let gateway = BackgroundGateway::start(&lake, registry, gw_config).await?;
     let jobs = Jobs::start(&lake, &args.jobs, false).await?;
-    let serving = Serving::new(
-        lake.clone(),
-        jobs.served.clone(),
-        Some(Arc::clone(&jobs.metrics)),
-        jobs.statuses.clone(),
-    )?;
-    let (serve_listener, serve_addr) = Serving::bind(args.serve_listen).await?;
-    let (stop, stop_rx) = watch::channel(false);
-    let waiter = |rx: &watch::Receiver<bool>| {
-        let mut rx = rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
-    let gateway_task = tokio::spawn(gateway.serve(gw_listener, waiter(&stop_rx)));
-    let serve_task = tokio::spawn({
-        let w = waiter(&stop_rx);
-        async move { serving.serve(serve_listener, w).await }
-    });
+    let serving = BackgroundServing::start(&lake, &jobs, args.serve_listen).await?;
+    let (stop_maintenance, maintenance_stopped) = stop_signal();
     let maintenance = (!args.maintain_every.is_zero()).then(|| {
         let tables: Vec<LakeTable> = jobs
             .served
@@ -323,26 +358,24 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
             lake.clone(),
             tables,
             args.maintain_every,
-            waiter(&stop_rx),
+            maintenance_stopped,
         ))
     });
     eprintln!(
-        "signalweave up: gateway http://{gw_addr} · serving http://{serve_addr} · {} job(s) · lake {}",
+        "signalweave up: gateway http://{} · serving http://{} · {} job(s) · lake {}",
+        gateway.addr,
+        serving.addr,
         jobs.served.len(),
         lake.config().warehouse_location()
     );
     shutdown_signal().await;
     eprintln!("stopping: draining the gateway, then committing the jobs' last checkpoints");
-    let _ = stop.send(true);
-    let gw = gateway_task.await.context("gateway task")??;
-    eprintln!(
-        "gateway stopped: {} commits, {} events committed, {} abandoned",
-        gw.commits, gw.events, gw.abandoned_events
-    );
+    let _ = stop_maintenance.send(true);
+    gateway.stop().await?;
     // The jobs read what the gateway committed last, then stop.
     tokio::time::sleep(args.jobs.poll_interval * 2).await;
     jobs.stop().await?;
-    let _ = serve_task.await;
+    serving.stop().await;
     if let Some(m) = maintenance {
         let _ = m.await;
     }
@@ -456,6 +489,35 @@ pub struct Reconciliation {
     pub only_in_outputs: u64,
     /// Closed windows in the recount only.
     pub only_in_recount: u64,
+}
+
+impl Reconciliation {
+    /// Column names of [`Reconciliation::row`].
+    pub const HEADER: [&'static str; 6] = [
+        "job",
+        "compared",
+        "matched",
+        "mismatched",
+        "only_in_outputs",
+        "only_in_recount",
+    ];
+
+    /// The figures as a table row.
+    pub fn row(&self) -> Vec<String> {
+        vec![
+            self.job.clone(),
+            self.compared.to_string(),
+            self.matched.to_string(),
+            self.mismatched.to_string(),
+            self.only_in_outputs.to_string(),
+            self.only_in_recount.to_string(),
+        ]
+    }
+
+    /// True when every compared window matched and none is on one side only.
+    pub fn agrees(&self) -> bool {
+        self.mismatched + self.only_in_outputs + self.only_in_recount == 0
+    }
 }
 
 /// The recount of a tumbling-window job straight from the landing table, in SQL: the
@@ -615,31 +677,13 @@ pub async fn demo(lake: Lake, registry: SchemaRegistry, args: &DemoArgs) -> Resu
     let mut gw_config = gateway_config(&args.gateway_config)?;
     gw_config.listen = "127.0.0.1:0".parse()?;
     let token = "sw-dev-tenant-0";
-    let gw_listener = tokio::net::TcpListener::bind(gw_config.listen).await?;
-    let gw_addr = gw_listener.local_addr()?;
-    let gateway = Gateway::start(gw_config, lake.clone(), Arc::new(registry)).await?;
+    let gateway = BackgroundGateway::start(&lake, registry, gw_config).await?;
+    let gw_addr = gateway.addr;
     let jobs = Jobs::start(&lake, &args.jobs, false).await?;
-    let serving = Serving::new(
-        lake.clone(),
-        jobs.served.clone(),
-        Some(Arc::clone(&jobs.metrics)),
-        jobs.statuses.clone(),
-    )?;
-    let (serve_listener, serve_addr) = Serving::bind("127.0.0.1:0".parse()?).await?;
-    let (stop_gw, gw_rx) = watch::channel(false);
-    let (stop_serve, serve_rx) = watch::channel(false);
-    let wait = |rx: watch::Receiver<bool>| async move {
-        let mut rx = rx;
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let gateway_task = tokio::spawn(gateway.serve(gw_listener, wait(gw_rx)));
-    let serve_task = tokio::spawn({
-        let w = wait(serve_rx);
-        async move { serving.serve(serve_listener, w).await }
-    });
+    let serving = BackgroundServing::start(&lake, &jobs, "127.0.0.1:0".parse()?).await?;
     eprintln!(
-        "gateway http://{gw_addr} · serving http://{serve_addr} (try {}/v1/jobs/{}/aggregates?key=m-1) · lake {}",
-        format_args!("http://{serve_addr}"),
+        "gateway http://{gw_addr} · serving http://{0} (try http://{0}/v1/jobs/{1}/aggregates?key=m-1) · lake {2}",
+        serving.addr,
         jobs.served
             .first()
             .map(|(s, _)| s.name.as_str())
@@ -694,8 +738,7 @@ pub async fn demo(lake: Lake, registry: SchemaRegistry, args: &DemoArgs) -> Resu
     }
     bar.finish();
     let sent = driver.await.context("producer task")?;
-    let _ = stop_gw.send(true);
-    let gw = gateway_task.await.context("gateway task")??;
+    let gw = gateway.stop().await?;
     // Let the jobs read the gateway's last commit.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let current = lake
@@ -716,8 +759,7 @@ pub async fn demo(lake: Lake, registry: SchemaRegistry, args: &DemoArgs) -> Resu
     let statuses = jobs.statuses.clone();
     let served = jobs.served.clone();
     jobs.stop().await?;
-    let _ = stop_serve.send(true);
-    let _ = serve_task.await;
+    serving.stop().await;
     println!(
         "producer: {} sent, {} accepted, {} duplicates, {} rejected, ack p99 {} · gateway: {} commits, {} events",
         sent.offered,
@@ -743,31 +785,13 @@ pub async fn demo(lake: Lake, registry: SchemaRegistry, args: &DemoArgs) -> Resu
             continue;
         }
         let r = reconcile(&lake, spec, ns).await?;
-        disagree |= r.mismatched + r.only_in_outputs + r.only_in_recount > 0;
-        rows.push(vec![
-            r.job,
-            r.compared.to_string(),
-            r.matched.to_string(),
-            r.mismatched.to_string(),
-            r.only_in_outputs.to_string(),
-            r.only_in_recount.to_string(),
-        ]);
+        disagree |= !r.agrees();
+        rows.push(r.row());
     }
     println!(
         "reconciliation: closed windows, current outputs against an SQL recount of signalweave.events"
     );
-    print_rows(
-        Format::Table,
-        &[
-            "job",
-            "compared",
-            "matched",
-            "mismatched",
-            "only_in_outputs",
-            "only_in_recount",
-        ],
-        rows,
-    )?;
+    print_rows(Format::Table, &Reconciliation::HEADER, rows)?;
     Ok(if disagree {
         ExitCode::from(1)
     } else {

@@ -262,11 +262,15 @@ async fn open_lake(cli: &Cli) -> Result<Lake> {
     Ok(lake)
 }
 
+/// The event types of `--schemas`.
+fn registry(cli: &Cli) -> Result<SchemaRegistry> {
+    SchemaRegistry::load_dir(&cli.schemas)
+        .with_context(|| format!("loading event types from {}", cli.schemas.display()))
+}
+
 fn validator(cli: &Cli) -> Result<EventValidator> {
-    let registry = SchemaRegistry::load_dir(&cli.schemas)
-        .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
     Ok(EventValidator::new(
-        Arc::new(registry),
+        Arc::new(registry(cli)?),
         ValidationLimits::default(),
     ))
 }
@@ -671,8 +675,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Gateway(args) => {
             let lake = open_lake(&cli).await?;
-            let registry = SchemaRegistry::load_dir(&cli.schemas)
-                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            let registry = registry(&cli)?;
             return ingest::run_gateway(args, lake, registry).await;
         }
         Command::Produce(args) => return ingest::run_produce(args).await,
@@ -682,15 +685,13 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Up(args) => {
             let lake = open_lake(&cli).await?;
-            let registry = SchemaRegistry::load_dir(&cli.schemas)
-                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            let registry = registry(&cli)?;
             return live::up(lake, registry, args).await;
         }
         Command::Status(args) => return live::status(args).await,
         Command::Demo(args) => {
             let lake = open_lake(&cli).await?;
-            let registry = SchemaRegistry::load_dir(&cli.schemas)
-                .with_context(|| format!("loading event types from {}", cli.schemas.display()))?;
+            let registry = registry(&cli)?;
             return live::demo(lake, registry, args).await;
         }
         Command::Recount {
@@ -702,26 +703,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let spec = signalweave_window::JobSpec::from_file(job)
                 .with_context(|| format!("reading job spec {}", job.display()))?;
             let r = live::reconcile(&lake, &spec, namespace).await?;
-            print_rows(
-                *format,
-                &[
-                    "job",
-                    "compared",
-                    "matched",
-                    "mismatched",
-                    "only_in_outputs",
-                    "only_in_recount",
-                ],
-                vec![vec![
-                    r.job.clone(),
-                    r.compared.to_string(),
-                    r.matched.to_string(),
-                    r.mismatched.to_string(),
-                    r.only_in_outputs.to_string(),
-                    r.only_in_recount.to_string(),
-                ]],
-            )?;
-            if r.mismatched + r.only_in_outputs + r.only_in_recount > 0 {
+            print_rows(*format, &live::Reconciliation::HEADER, vec![r.row()])?;
+            if !r.agrees() {
                 return Ok(ExitCode::from(1));
             }
         }

@@ -957,7 +957,7 @@ impl Lake {
     ) -> Result<IncrementalPlan> {
         let t = self.table(table).await?;
         let metadata = t.metadata();
-        let Some(current) = metadata.current_snapshot() else {
+        if metadata.current_snapshot().is_none() {
             return Ok(IncrementalPlan {
                 after,
                 upto: after,
@@ -965,30 +965,8 @@ impl Lake {
                 commit_ms: Vec::new(),
                 tasks: Vec::new(),
             });
-        };
-        let mut chain = Vec::new();
-        let mut cursor = Some(current.clone());
-        let mut reached = after.is_none();
-        while let Some(s) = cursor {
-            if Some(s.snapshot_id()) == after {
-                reached = true;
-                break;
-            }
-            let parent = s.parent_snapshot_id();
-            chain.push(s);
-            cursor = parent.and_then(|p| metadata.snapshot_by_id(p).cloned());
         }
-        if !reached {
-            return Err(LakeError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "position {} is not an ancestor of the current snapshot of {} (expired?)",
-                    after.unwrap_or_default(),
-                    table.name()
-                ),
-            ));
-        }
-        chain.reverse();
+        let mut chain = snapshots_after(metadata, table, after)?;
         // From the start of a table whose first snapshot is retained, the appends are read
         // one by one like any other position's.
         let from_root = after.is_none()
@@ -1084,15 +1062,9 @@ impl Lake {
     /// summaries alone. Fails like [`Lake::plan_appended_since`] for an expired position.
     pub async fn backlog(&self, table: LakeTable, after: Option<i64>) -> Result<Backlog> {
         let t = self.table(table).await?;
-        let metadata = t.metadata();
         let mut backlog = Backlog::default();
-        let mut cursor = metadata.current_snapshot().cloned();
-        let mut reached = after.is_none();
-        while let Some(s) = cursor {
-            if Some(s.snapshot_id()) == after {
-                reached = true;
-                break;
-            }
+        // Newest first: the last one seen is the oldest unread.
+        for s in snapshots_after(t.metadata(), table, after)?.iter().rev() {
             backlog.snapshots += 1;
             if s.summary().operation != Operation::Replace {
                 let p = &s.summary().additional_properties;
@@ -1102,19 +1074,6 @@ impl Lake {
                 backlog.bytes += num("added-files-size");
             }
             backlog.oldest_commit_ms = Some(s.timestamp_ms());
-            cursor = s
-                .parent_snapshot_id()
-                .and_then(|p| metadata.snapshot_by_id(p).cloned());
-        }
-        if !reached {
-            return Err(LakeError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "position {} is not an ancestor of the current snapshot of {} (expired?)",
-                    after.unwrap_or_default(),
-                    table.name()
-                ),
-            ));
         }
         Ok(backlog)
     }
@@ -1154,6 +1113,41 @@ impl Lake {
             .await?;
         Ok(plan.tasks.into_iter().map(|t| t.data_file_path).collect())
     }
+}
+
+/// The snapshots of `metadata` after `after` (exclusive; None: every ancestor) up to the
+/// current one, oldest first. `NotFound` when `after` is not an ancestor of the current
+/// snapshot (an expired position).
+fn snapshots_after(
+    metadata: &iceberg::spec::TableMetadata,
+    table: LakeTable,
+    after: Option<i64>,
+) -> Result<Vec<iceberg::spec::SnapshotRef>> {
+    let mut chain = Vec::new();
+    let mut cursor = metadata.current_snapshot().cloned();
+    let mut reached = after.is_none();
+    while let Some(s) = cursor {
+        if Some(s.snapshot_id()) == after {
+            reached = true;
+            break;
+        }
+        cursor = s
+            .parent_snapshot_id()
+            .and_then(|p| metadata.snapshot_by_id(p).cloned());
+        chain.push(s);
+    }
+    if !reached {
+        return Err(LakeError::new(
+            ErrorKind::NotFound,
+            format!(
+                "position {} is not an ancestor of the current snapshot of {} (expired?)",
+                after.unwrap_or_default(),
+                table.name()
+            ),
+        ));
+    }
+    chain.reverse();
+    Ok(chain)
 }
 
 /// A transaction-scoped advisory lock on PostgreSQL, held until the returned transaction

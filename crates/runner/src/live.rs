@@ -477,9 +477,7 @@ impl LiveJob {
             force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
         // An idle job has nothing to commit: the last checkpoint still describes it (a
         // restart from it recomputes only processing-time state, which emitted nothing).
-        let changed = self.position != self.checkpointed_position
-            || !self.pending_outputs.is_empty()
-            || !self.pending_late.is_empty();
+        let changed = self.uncheckpointed();
         if due && changed {
             self.checkpoint().await?;
             report.checkpointed = true;
@@ -494,6 +492,28 @@ impl LiveJob {
         }
         self.observe_lag().await;
         Ok(report)
+    }
+
+    /// True when the job holds work its last checkpoint does not: records read since, or
+    /// outputs and late records not yet committed.
+    fn uncheckpointed(&self) -> bool {
+        self.position != self.checkpointed_position
+            || !self.pending_outputs.is_empty()
+            || !self.pending_late.is_empty()
+    }
+
+    /// Steps until a step reads nothing new, then checkpoints (so everything read is
+    /// committed). Returns the records read.
+    pub async fn catch_up(&mut self) -> Result<u64> {
+        let mut records = 0;
+        loop {
+            let r = self.step(false).await?;
+            records += r.records;
+            if r.snapshots == 0 {
+                self.step(true).await?;
+                return Ok(records);
+            }
+        }
     }
 
     /// Ends the epoch: checkpoint, sink commit, pointer (see the module documentation).
@@ -679,9 +699,7 @@ impl LiveJob {
             secs(now - watermark)
         };
         // How long processed work has waited for a checkpoint (0 when there is none).
-        let changed = self.position != self.checkpointed_position
-            || !self.pending_outputs.is_empty()
-            || !self.pending_late.is_empty();
+        let changed = self.uncheckpointed();
         let checkpoint_age = if changed {
             self.last_checkpoint.elapsed().as_secs_f64()
         } else {
