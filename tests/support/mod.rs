@@ -132,14 +132,27 @@ pub fn garage_installed() -> bool {
 }
 
 /// A port for a private Garage: it takes the S3 port, the next one (RPC) and the third
-/// after (admin).
+/// after (admin). The block is chosen below the kernel's ephemeral range, so no outgoing
+/// connection can take one of its ports while Garage is stopped for an outage and
+/// restarted (Garage aborts when a port is taken).
 pub fn garage_ports() -> u16 {
-    for _ in 0..50 {
-        let p = free_port();
-        if p < 60_000
-            && [p + 1, p + 3]
-                .iter()
-                .all(|q| std::net::TcpListener::bind(("127.0.0.1", *q)).is_ok())
+    let ephemeral_start: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    let low = 20_000u16.min(ephemeral_start.saturating_sub(4_000));
+    let span = u64::from(ephemeral_start.saturating_sub(low).saturating_sub(4).max(1));
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    for i in 0..200u64 {
+        let p = low
+            + ((u64::from(seed) + u64::from(std::process::id()) * 7919 + i * 104_729) % span)
+                as u16;
+        if [p, p + 1, p + 3]
+            .iter()
+            .all(|q| std::net::TcpListener::bind(("127.0.0.1", *q)).is_ok())
         {
             return p;
         }
