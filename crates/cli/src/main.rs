@@ -5,6 +5,7 @@
 //! library crates. Exit codes: 0 success, 1 a command ran and found a problem, 2 bad
 //! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
 
+mod backfill;
 mod bench;
 mod bench_live;
 mod ingest;
@@ -108,6 +109,10 @@ enum Command {
     /// Make or hash gateway API keys.
     #[command(subcommand)]
     Key(ingest::KeyCommand),
+    /// Backfills: a job version over an event-time range into its own namespace, under
+    /// token budgets live traffic takes back; compare, promote, roll back.
+    #[command(subcommand)]
+    Backfill(backfill::BackfillCommand),
     /// Run a benchmark (release builds only give meaningful figures).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -707,6 +712,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             if !r.agrees() {
                 return Ok(ExitCode::from(1));
             }
+        }
+        Command::Backfill(cmd) => {
+            let lake = open_lake(&cli).await?;
+            return backfill::run(lake, cmd).await;
         }
         Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {

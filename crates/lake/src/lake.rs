@@ -296,6 +296,7 @@ impl Lake {
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_snapshot_holds", e))?;
+        self.create_promotions_table().await?;
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS sw_erasures (erasure_id VARCHAR(255) PRIMARY KEY, \
              catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \

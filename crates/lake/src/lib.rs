@@ -18,6 +18,7 @@
 //!
 //! iceberg-rust 0.10 commits appends only; everything here is an append or a read.
 
+mod arrival;
 mod blob;
 mod compact;
 mod config;
@@ -27,9 +28,11 @@ mod lake;
 mod layout;
 mod load;
 mod maintain;
+mod promote;
 mod provider;
 mod sql;
 
+pub use arrival::ArrivalWatermarks;
 pub use compact::{CompactionPolicy, CompactionReport};
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use erase::{ErasureReport, ErasureRequest, TableErasure};
@@ -47,5 +50,6 @@ pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
     PROP_PREVIOUS_VERSIONS_MAX, Retention,
 };
+pub use promote::{Promotion, authoritative};
 pub use provider::{LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

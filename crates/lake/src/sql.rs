@@ -17,6 +17,7 @@ use crate::config::Warehouse;
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
 use crate::layout::{LakeTable, NAMESPACE};
+use crate::promote::Promotion;
 use crate::provider::{LakeTableProvider, SnapshotChoice};
 
 /// Name of the DataFusion catalog holding the lake.
@@ -114,11 +115,20 @@ impl Lake {
             .register_schema(NAMESPACE, schema)
             .map_err(|e| LakeError::datafusion("register schema", e))?;
         ctx.register_catalog(SQL_CATALOG, Arc::new(catalog));
+        let promotions = self.promotions(None).await?;
+        let registered: Vec<&str> = choices.iter().map(|(t, _)| t.name()).collect();
         for (table, _) in choices.iter().filter(|(t, _)| t.is_output()) {
             let name = table.name();
+            // A live table's view honours its active promotions (whose tables exist).
+            let promoted: Vec<&Promotion> = promotions
+                .iter()
+                .filter(|p| {
+                    p.active() && p.live_table == name && registered.contains(&p.table.as_str())
+                })
+                .collect();
             ctx.sql(&format!(
-                "CREATE VIEW {SQL_CATALOG}.{NAMESPACE}.{}",
-                current_view(name)
+                "CREATE VIEW {SQL_CATALOG}.{NAMESPACE}.{name}_current AS {}",
+                current_view(name, &promoted)
             ))
             .await
             .map_err(|e| LakeError::datafusion(format!("create view {name}_current"), e))?;
@@ -127,13 +137,39 @@ impl Lake {
     }
 }
 
-/// `<t>_current AS <query>`: the current version of every output identity of `t`.
-fn current_view(table: &str) -> String {
-    format!(
-        "{table}_current AS SELECT * EXCLUDE (sw_rank) FROM (SELECT *, row_number() OVER \
-         (PARTITION BY job, namespace, key, window_start, window_end ORDER BY output_version DESC) \
-         AS sw_rank FROM {SQL_CATALOG}.{NAMESPACE}.{table}) WHERE sw_rank = 1 AND NOT retracted"
-    )
+/// The query of `<t>_current`: the current version of every output identity of `t`.
+///
+/// With `promoted` (the active promotions of `t`'s job, in promotion order), windows a
+/// promotion covers come from its namespace's table instead: the latest covering
+/// promotion wins, as in [`crate::authoritative`].
+fn current_view(table: &str, promoted: &[&Promotion]) -> String {
+    let current = |t: &str, filter: String| {
+        format!(
+            "SELECT * EXCLUDE (sw_rank) FROM (SELECT *, row_number() OVER \
+             (PARTITION BY job, namespace, key, window_start, window_end ORDER BY output_version DESC) \
+             AS sw_rank FROM {SQL_CATALOG}.{NAMESPACE}.{t}) WHERE sw_rank = 1 AND NOT retracted{filter}"
+        )
+    };
+    let within = |p: &Promotion| {
+        format!(
+            "(arrow_cast(window_start, 'Int64') >= {} AND arrow_cast(window_start, 'Int64') < {})",
+            p.from_us, p.to_us
+        )
+    };
+    let mut parts = Vec::new();
+    let outside_all: String = promoted
+        .iter()
+        .map(|p| format!(" AND NOT {}", within(p)))
+        .collect();
+    parts.push(current(table, outside_all));
+    for (i, p) in promoted.iter().enumerate() {
+        let later: String = promoted[i + 1..]
+            .iter()
+            .map(|l| format!(" AND NOT {}", within(l)))
+            .collect();
+        parts.push(current(&p.table, format!(" AND {}{later}", within(p))));
+    }
+    parts.join(" UNION ALL ")
 }
 
 impl Lake {

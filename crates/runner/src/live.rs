@@ -163,6 +163,16 @@ pub fn output_table(spec: &JobSpec, namespace: &str) -> Result<LakeTable> {
     )?)
 }
 
+/// The output table of a backfill of `spec` in `namespace`: `<output.table>__bf_<namespace>`.
+pub fn backfill_output_table(spec: &JobSpec, namespace: &str) -> Result<LakeTable> {
+    let name = spec.output.table.clone();
+    let name = name.strip_prefix("signalweave.").unwrap_or(&name);
+    Ok(LakeTable::output(
+        &format!("{name}__bf_{namespace}"),
+        &signalweave_window::output_schema(spec),
+    )?)
+}
+
 fn now_us() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
@@ -230,6 +240,7 @@ impl LiveJob {
         let engine_config = EngineConfig {
             namespace: namespace.clone(),
             key_groups: config.key_groups,
+            watermark_column: None,
         };
         let mut job = Self {
             engine: WindowEngine::new(Arc::clone(&spec), engine_config.clone())?,
@@ -544,10 +555,14 @@ impl LiveJob {
         let sink_started = Instant::now();
         let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;
         if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
+            let secs = sink_started.elapsed().as_secs_f64();
             self.metrics
                 .sink_commit_seconds
                 .get_or_create(&self.labels)
-                .observe(sink_started.elapsed().as_secs_f64());
+                .observe(secs);
+            if let Ok(mut s) = self.status.lock() {
+                s.sink_commit_s = secs;
+            }
         }
         let visible_at = now_us();
         self.fault(FaultStage::AfterSinkCommit, epoch);

@@ -38,6 +38,8 @@ pub const MAX_WINDOWS: usize = 10_000;
 /// One window's current version.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CurrentWindow {
+    /// The namespace the version comes from: `live`, or a promoted backfill's.
+    pub namespace: String,
     /// Key.
     pub key: String,
     /// Window start (RFC 3339).
@@ -46,7 +48,7 @@ pub struct CurrentWindow {
     pub window_end: String,
     /// The current version.
     pub output_version: i64,
-    /// `provisional`, `on_time` or `corrected`.
+    /// `provisional`, `on_time`, `corrected` (or `partial`, from a backfill).
     pub completeness: String,
     /// Watermark when emitted (RFC 3339).
     pub watermark: String,
@@ -77,6 +79,8 @@ struct ServedJob {
     spec: Arc<JobSpec>,
     table: LakeTable,
     view: Mutex<View>,
+    /// Views of promoted namespaces' tables, by table name.
+    promoted: Mutex<HashMap<String, View>>,
 }
 
 /// The serving state: the lake, the served jobs, and the runner's metrics and statuses.
@@ -160,8 +164,23 @@ pub struct AggregatesAnswer {
     pub as_of_snapshot: Option<i64>,
     /// True when more windows matched than [`MAX_WINDOWS`].
     pub truncated: bool,
+    /// Promotions applied: the namespaces authoritative for windows starting in a range.
+    pub promotions: Vec<AppliedPromotion>,
     /// The windows, by key then start.
     pub windows: Vec<CurrentWindow>,
+}
+
+/// A promotion an answer applied.
+#[derive(Debug, Serialize)]
+pub struct AppliedPromotion {
+    /// The promoted namespace.
+    pub namespace: String,
+    /// Its job version.
+    pub job_version: u32,
+    /// Windows starting at or after (RFC 3339) ...
+    pub from: String,
+    /// ... and before.
+    pub to: String,
 }
 
 fn parse_time(name: &str, v: Option<&str>, default: i64) -> Result<i64, ApiError> {
@@ -191,6 +210,7 @@ impl Serving {
                     spec,
                     table,
                     view: Mutex::new(View::default()),
+                    promoted: Mutex::new(HashMap::new()),
                 },
             );
         }
@@ -251,52 +271,91 @@ impl Serving {
         if from > to {
             return Err(ApiError::bad("`from` is after `to`"));
         }
+        // The live namespace honours promotions: a window a promotion covers is served
+        // from the promoted namespace (the latest covering promotion wins).
+        let promotions = if namespace == "live" {
+            self.lake.active_promotions(job).await?
+        } else {
+            Vec::new()
+        };
         let mut view = served.view.lock().await;
-        self.refresh(served, &mut view).await?;
-        let mut windows = Vec::new();
-        let mut truncated = false;
-        let matching = view.rows.iter().filter(|((key, start, _), stored)| {
+        self.refresh(served.table, &served.spec, &mut view).await?;
+        let mut promoted = served.promoted.lock().await;
+        for p in &promotions {
+            let table =
+                LakeTable::output(&p.table, &signalweave_window::output_schema(&served.spec))?;
+            let v = promoted.entry(p.table.clone()).or_default();
+            self.refresh(table, &served.spec, v).await?;
+        }
+        let wanted = |key: &str, start: i64, stored: &Stored, source: &str| {
             !stored.retracted
                 && q.key.as_deref().is_none_or(|k| k == key)
-                && *start >= from
-                && *start < to
-        });
-        for (_, stored) in matching {
-            if windows.len() == MAX_WINDOWS {
-                truncated = true;
-                break;
+                && start >= from
+                && start < to
+                && signalweave_lake::authoritative(&promotions, start) == source
+        };
+        let mut windows: Vec<(&(String, i64, i64), &Stored)> = view
+            .rows
+            .iter()
+            .filter(|((key, start, _), stored)| wanted(key, *start, stored, "live"))
+            .collect();
+        for p in &promotions {
+            if let Some(v) = promoted.get(&p.table) {
+                windows.extend(
+                    v.rows.iter().filter(|((key, start, _), stored)| {
+                        wanted(key, *start, stored, &p.namespace)
+                    }),
+                );
             }
-            windows.push(stored.window.clone());
         }
+        if !promotions.is_empty() {
+            windows.sort_by(|a, b| a.0.cmp(b.0));
+        }
+        let truncated = windows.len() > MAX_WINDOWS;
+        let windows = windows
+            .into_iter()
+            .take(MAX_WINDOWS)
+            .map(|(_, s)| s.window.clone())
+            .collect();
         Ok(AggregatesAnswer {
             job: job.to_string(),
             namespace,
             as_of_snapshot: view.position,
             truncated,
+            promotions: promotions
+                .iter()
+                .map(|p| AppliedPromotion {
+                    namespace: p.namespace.clone(),
+                    job_version: p.job_version,
+                    from: format_rfc3339_micros(p.from_us),
+                    to: format_rfc3339_micros(p.to_us),
+                })
+                .collect(),
             windows,
         })
     }
 
-    async fn refresh(&self, served: &ServedJob, view: &mut View) -> Result<(), ApiError> {
-        let plan = match self
-            .lake
-            .plan_appended_since(served.table, view.position)
-            .await
-        {
+    async fn refresh(
+        &self,
+        table: LakeTable,
+        spec: &JobSpec,
+        view: &mut View,
+    ) -> Result<(), ApiError> {
+        let plan = match self.lake.plan_appended_since(table, view.position).await {
             Ok(p) => p,
             Err(e) if e.kind() == ErrorKind::NotFound && view.position.is_some() => {
                 // The view's position expired: rebuild from the current snapshot.
                 *view = View::default();
-                self.lake.plan_appended_since(served.table, None).await?
+                self.lake.plan_appended_since(table, None).await?
             }
             Err(e) => return Err(e.into()),
         };
         if plan.upto == view.position {
             return Ok(());
         }
-        let batches = self.lake.read_all(served.table, plan.tasks).await?;
+        let batches = self.lake.read_all(table, plan.tasks).await?;
         for batch in &batches {
-            apply(&served.spec, batch, &mut view.rows).map_err(|message| ApiError {
+            apply(spec, batch, &mut view.rows).map_err(|message| ApiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 code: "internal",
                 message,
@@ -335,7 +394,7 @@ fn apply(
             .cloned()
             .ok_or_else(|| format!("{name} is not an integer"))
     };
-    let (key, completeness) = (text("key")?, text("completeness")?);
+    let (key, completeness, namespace) = (text("key")?, text("completeness")?, text("namespace")?);
     let (start, end, wm, at) = (
         ts("window_start")?,
         ts("window_end")?,
@@ -372,6 +431,7 @@ fn apply(
             values.insert(name.to_string(), value);
         }
         let window = CurrentWindow {
+            namespace: namespace.value(i).to_string(),
             key: id.0.clone(),
             window_start: format_rfc3339_micros(id.1),
             window_end: format_rfc3339_micros(id.2),

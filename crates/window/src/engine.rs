@@ -48,6 +48,12 @@ pub struct EngineConfig {
     pub namespace: String,
     /// Number of key groups keys hash into.
     pub key_groups: u16,
+    /// Judge each record's lateness by a watermark of its own (backfills): an Int64
+    /// column (µs) holding, per record, the watermark a live reader had when the record
+    /// arrived. A record is late when that watermark had passed its last window's end plus
+    /// the allowed lateness (or its dedup horizon), whatever order the records are
+    /// processed in. The engine's own watermark still applies when it is later.
+    pub watermark_column: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -55,6 +61,7 @@ impl Default for EngineConfig {
         Self {
             namespace: "live".into(),
             key_groups: DEFAULT_KEY_GROUPS,
+            watermark_column: None,
         }
     }
 }
@@ -192,6 +199,7 @@ struct Columns<'a> {
     event_type: Option<&'a StringArray>,
     input: Option<&'a StringArray>,
     agg_inputs: Vec<Option<&'a arrow::array::PrimitiveArray<Int64Type>>>,
+    row_watermark: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
 }
 
 /// The engine. See the module docs.
@@ -323,9 +331,51 @@ impl WindowEngine {
         &self.watermarks
     }
 
+    /// The end of the latest window a record at event time `t` belongs to, µs: its pane's
+    /// newest window for tumbling and sliding windows, `t + gap` (its own session extent)
+    /// for sessions. A record is beyond allowed lateness once the watermark reaches this
+    /// end plus the allowed lateness.
+    pub fn latest_window_end(&self, t: i64) -> i64 {
+        if self.is_session() {
+            t.saturating_add(self.spec.window.span_us())
+        } else {
+            self.window_bounds(t.div_euclid(self.pane_us)).1
+        }
+    }
+
     /// The key group `key` hashes into.
     pub fn key_group_of(&self, key: &str) -> u16 {
         (xxhash_rust::xxh3::xxh3_64(key.as_bytes()) % u64::from(self.config.key_groups)) as u16
+    }
+
+    /// The key group of every row of `batch` (None where a key column is null), keyed as
+    /// [`WindowEngine::process_batch`] keys them: a backfill's key-group range filter.
+    pub fn key_groups_of_rows(&self, batch: &RecordBatch) -> Result<Vec<Option<u16>>> {
+        let keys = str_cols(batch, &self.spec.key.columns)?;
+        let mut buf = String::new();
+        Ok((0..batch.num_rows())
+            .map(|row| {
+                if keys.iter().any(|k| k.is_null(row)) {
+                    return None;
+                }
+                if keys.len() == 1 {
+                    return Some(self.key_group_of(keys[0].value(row)));
+                }
+                buf.clear();
+                for (i, k) in keys.iter().enumerate() {
+                    if i > 0 {
+                        buf.push('|');
+                    }
+                    for ch in k.value(row).chars() {
+                        if ch == '|' || ch == '\\' {
+                            buf.push('\\');
+                        }
+                        buf.push(ch);
+                    }
+                }
+                Some(self.key_group_of(&buf))
+            })
+            .collect())
     }
 
     fn intern(&mut self, key: &str) -> u32 {
@@ -382,6 +432,18 @@ impl WindowEngine {
             Some(c) => Some(str_col(batch, c)?),
             None => None,
         };
+        let row_watermark =
+            match &self.config.watermark_column {
+                Some(c) => Some(col(batch, c)?.as_primitive_opt::<Int64Type>().ok_or_else(
+                    || {
+                        WindowError::new(
+                            ErrorKind::InvalidInput,
+                            format!("watermark column `{c}` must be Int64 (µs)"),
+                        )
+                    },
+                )?),
+                None => None,
+            };
         let agg_inputs = spec
             .aggregates
             .iter()
@@ -406,6 +468,7 @@ impl WindowEngine {
             event_type,
             input,
             agg_inputs,
+            row_watermark,
         })
     }
 
@@ -458,6 +521,11 @@ impl WindowEngine {
                 continue;
             }
             let t = cols.time.value(row);
+            // The watermark this record is judged by: its own, when so configured.
+            let wm = match cols.row_watermark {
+                Some(a) if !a.is_null(row) => wm.max(a.value(row)),
+                _ => wm,
+            };
             match cols.input {
                 Some(c) => {
                     let name = if c.is_null(row) { "" } else { c.value(row) };

@@ -30,7 +30,7 @@ pub use output::{
 };
 pub use spec::{
     AggregateFunction, AggregateSpec, DedupSpec, JobSpec, KeySpec, LatenessSpec, OutputSpec,
-    SourceSpec, TimeSpec, TriggerSpec, WindowSpec,
+    SourceSpec, TimeSpec, TriggerSpec, WindowSpec, micros,
 };
 pub use state::{STATE_FORMAT_VERSION, StateSize};
 pub use watermark::{InputProgress, Watermarks};

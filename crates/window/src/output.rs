@@ -25,6 +25,9 @@ pub enum Completeness {
     /// A later result: late events (within allowed lateness) changed the window, or a
     /// session merge retracted it.
     Corrected,
+    /// A backfill's window that crosses the end of its range: it counts only the events
+    /// before the range's end.
+    Partial,
 }
 
 impl Completeness {
@@ -34,6 +37,7 @@ impl Completeness {
             Completeness::Provisional => "provisional",
             Completeness::OnTime => "on_time",
             Completeness::Corrected => "corrected",
+            Completeness::Partial => "partial",
         }
     }
 }

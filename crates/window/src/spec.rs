@@ -251,7 +251,8 @@ pub struct OutputSpec {
     pub table: String,
 }
 
-pub(crate) fn micros(d: Duration) -> i64 {
+/// A duration in microseconds (saturating).
+pub fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 

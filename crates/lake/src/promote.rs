@@ -1,0 +1,268 @@
+//! Promotions: which output namespace is authoritative for which window range of a job.
+//!
+//! A backfill writes into its own namespace; nothing reads it as truth until it is
+//! promoted. A promotion (`sw_promotions`, in the catalog database) says: for windows of
+//! `job` starting in `[from, to)`, the current version is the one in `namespace`'s output
+//! table, not the live one. It records who promoted, when, and the job version. A later
+//! promotion that overlaps an earlier one wins on the overlap. A rollback marks the
+//! promotion rolled back (who, when); the row stays as evidence.
+//!
+//! The SQL view `<output>_current` ([`crate::sql`]) and the serving API honour the active
+//! promotions.
+
+use serde::Serialize;
+use signalweave_model::ErrorKind;
+use sqlx::Row;
+
+use crate::error::{LakeError, Result};
+use crate::lake::Lake;
+
+/// One promotion of a namespace for a window range.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Promotion {
+    /// Job name.
+    pub job: String,
+    /// The promoted namespace.
+    pub namespace: String,
+    /// Job version of the promoted outputs.
+    pub job_version: u32,
+    /// The job's live output table (`market_aggregates`).
+    pub live_table: String,
+    /// The namespace's output table (`market_aggregates__fix_fees`).
+    pub table: String,
+    /// Windows starting at or after this time (µs) ...
+    pub from_us: i64,
+    /// ... and before this one (µs).
+    pub to_us: i64,
+    /// Who promoted.
+    pub promoted_by: String,
+    /// When, ms since the epoch.
+    pub promoted_ms: i64,
+    /// Who rolled it back, if anyone.
+    pub rolled_back_by: Option<String>,
+    /// When, ms since the epoch.
+    pub rolled_back_ms: Option<i64>,
+}
+
+impl Promotion {
+    /// True unless rolled back.
+    pub fn active(&self) -> bool {
+        self.rolled_back_ms.is_none()
+    }
+
+    /// True when the promotion covers windows starting at `window_start_us`.
+    pub fn covers(&self, window_start_us: i64) -> bool {
+        self.active() && window_start_us >= self.from_us && window_start_us < self.to_us
+    }
+}
+
+/// The namespace authoritative for a window of a job, given its active promotions in
+/// promotion order (the latest covering one wins); `live` when none covers it.
+pub fn authoritative(promotions: &[Promotion], window_start_us: i64) -> &str {
+    promotions
+        .iter()
+        .rev()
+        .find(|p| p.covers(window_start_us))
+        .map_or("live", |p| p.namespace.as_str())
+}
+
+impl Lake {
+    fn ph(&self, sql: &str) -> String {
+        if self.config().is_sqlite() {
+            sql.replace('$', "?")
+        } else {
+            sql.to_string()
+        }
+    }
+
+    pub(crate) async fn create_promotions_table(&self) -> Result<()> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_promotions (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, job_version BIGINT NOT NULL, \
+             live_table VARCHAR(255) NOT NULL, namespace_table VARCHAR(255) NOT NULL, \
+             from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, promoted_by VARCHAR(255) NOT NULL, \
+             promoted_ms BIGINT NOT NULL, rolled_back_by VARCHAR(255), rolled_back_ms BIGINT, \
+             PRIMARY KEY (catalog_name, job, namespace, promoted_ms))",
+        )
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("create sw_promotions", e))?;
+        Ok(())
+    }
+
+    /// Every promotion of `job` (None: of every job), active or rolled back, in promotion
+    /// order.
+    pub async fn promotions(&self, job: Option<&str>) -> Result<Vec<Promotion>> {
+        let sql = self.ph(
+            "SELECT job, namespace, job_version, live_table, namespace_table, from_us, to_us, promoted_by, promoted_ms, \
+             rolled_back_by, rolled_back_ms FROM sw_promotions WHERE catalog_name = $1 \
+             AND ($2 = '' OR job = $3) ORDER BY promoted_ms, namespace",
+        );
+        let job = job.unwrap_or("");
+        let rows = sqlx::query(&sql)
+            .bind(self.config().catalog_name.as_str())
+            .bind(job)
+            .bind(job)
+            .fetch_all(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("read promotions", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(Promotion {
+                    job: r.try_get("job")?,
+                    namespace: r.try_get("namespace")?,
+                    job_version: u32::try_from(r.try_get::<i64, _>("job_version")?).unwrap_or(0),
+                    live_table: r.try_get("live_table")?,
+                    table: r.try_get("namespace_table")?,
+                    from_us: r.try_get("from_us")?,
+                    to_us: r.try_get("to_us")?,
+                    promoted_by: r.try_get("promoted_by")?,
+                    promoted_ms: r.try_get("promoted_ms")?,
+                    rolled_back_by: r.try_get("rolled_back_by")?,
+                    rolled_back_ms: r.try_get("rolled_back_ms")?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| LakeError::sql("read promotions", e))
+    }
+
+    /// The active promotions of `job`, in promotion order.
+    pub async fn active_promotions(&self, job: &str) -> Result<Vec<Promotion>> {
+        Ok(self
+            .promotions(Some(job))
+            .await?
+            .into_iter()
+            .filter(Promotion::active)
+            .collect())
+    }
+
+    /// Records `promotion` (its rollback fields are ignored). Fails with `Conflict` when
+    /// the namespace already has an active promotion of the same job.
+    pub async fn promote(&self, promotion: &Promotion) -> Result<()> {
+        if promotion.namespace == "live" {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "`live` is authoritative already: promote a backfill namespace",
+            ));
+        }
+        if promotion.from_us >= promotion.to_us {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                "a promotion's range must not be empty",
+            ));
+        }
+        if let Some(active) = self
+            .active_promotions(&promotion.job)
+            .await?
+            .into_iter()
+            .find(|p| p.namespace == promotion.namespace)
+        {
+            return Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "namespace `{}` of {} is promoted already (by {} at {} ms): roll it back first",
+                    active.namespace, active.job, active.promoted_by, active.promoted_ms
+                ),
+            ));
+        }
+        let sql = self.ph(
+            "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
+             namespace_table, from_us, to_us, promoted_by, promoted_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        );
+        sqlx::query(&sql)
+            .bind(self.config().catalog_name.as_str())
+            .bind(&promotion.job)
+            .bind(&promotion.namespace)
+            .bind(i64::from(promotion.job_version))
+            .bind(&promotion.live_table)
+            .bind(&promotion.table)
+            .bind(promotion.from_us)
+            .bind(promotion.to_us)
+            .bind(&promotion.promoted_by)
+            .bind(promotion.promoted_ms)
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("record a promotion", e))?;
+        Ok(())
+    }
+
+    /// Rolls back the active promotion of `namespace` for `job`, recording who and when.
+    /// Returns it; fails with `NotFound` when there is none.
+    pub async fn rollback_promotion(
+        &self,
+        job: &str,
+        namespace: &str,
+        by: &str,
+    ) -> Result<Promotion> {
+        let Some(mut active) = self
+            .active_promotions(job)
+            .await?
+            .into_iter()
+            .find(|p| p.namespace == namespace)
+        else {
+            return Err(LakeError::new(
+                ErrorKind::NotFound,
+                format!("namespace `{namespace}` of {job} has no active promotion"),
+            ));
+        };
+        let now = chrono::Utc::now().timestamp_millis();
+        let sql = self.ph(
+            "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2 \
+             WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND promoted_ms = $6 \
+             AND rolled_back_ms IS NULL",
+        );
+        let done = sqlx::query(&sql)
+            .bind(by)
+            .bind(now)
+            .bind(self.config().catalog_name.as_str())
+            .bind(job)
+            .bind(namespace)
+            .bind(active.promoted_ms)
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("roll back a promotion", e))?;
+        if done.rows_affected() != 1 {
+            return Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!("the promotion of `{namespace}` was rolled back concurrently"),
+            ));
+        }
+        active.rolled_back_by = Some(by.to_string());
+        active.rolled_back_ms = Some(now);
+        Ok(active)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(ns: &str, from: i64, to: i64, rolled_back: bool) -> Promotion {
+        Promotion {
+            job: "j".into(),
+            namespace: ns.into(),
+            job_version: 2,
+            live_table: "t".into(),
+            table: format!("t__{ns}"),
+            from_us: from,
+            to_us: to,
+            promoted_by: "t".into(),
+            promoted_ms: 0,
+            rolled_back_by: None,
+            rolled_back_ms: rolled_back.then_some(1),
+        }
+    }
+
+    #[test]
+    fn the_latest_covering_promotion_wins() {
+        let ps = [p("a", 0, 100, false), p("b", 50, 150, false)];
+        assert_eq!(authoritative(&ps, -1), "live");
+        assert_eq!(authoritative(&ps, 0), "a");
+        assert_eq!(authoritative(&ps, 50), "b");
+        assert_eq!(authoritative(&ps, 149), "b");
+        assert_eq!(authoritative(&ps, 150), "live");
+        let rolled = [p("a", 0, 100, false), p("b", 50, 150, true)];
+        assert_eq!(authoritative(&rolled, 60), "a");
+    }
+}

@@ -1,0 +1,1488 @@
+//! Backfills: a job spec run over an event-time range of `signalweave.events`, as its own
+//! job identity, into the output table of its own namespace.
+//!
+//! # Plan
+//!
+//! `start` pins the landing table's current snapshot (held against expiry until the
+//! backfill ends), so every sub-range reads the same input, and cuts `[from, to)` into
+//! sub-ranges: time slices (a day by default, aligned to multiples of the slice) ×
+//! key-group ranges. Everything lives in the catalog database: `sw_backfills` (one row per
+//! job and namespace: range, version, budgets, state, the steering wish, the runner's
+//! lease, preemptions) and `sw_backfill_ranges` (one row per sub-range: state and figures).
+//!
+//! # One sub-range
+//!
+//! A sub-range `[a, b)` owns the windows whose end is in `(a, b]`, and, when `b` is the
+//! range's end, the windows crossing it, marked `partial` (they count only the events
+//! before `to`; never silently truncated). It reads the events of its key groups from
+//! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions,
+//! which may have started that long before) makes the first windows complete.
+//!
+//! Records are fed in file order to a fresh engine that judges each record's lateness by
+//! the watermark the live job had when the record arrived ([`EngineConfig::watermark_column`],
+//! from [`Lake::arrival_watermarks`]: the largest event time of the files committed before
+//! its `ingest_time`, minus the out-of-orderness bound). A record is beyond allowed
+//! lateness when that watermark had passed its last window's end plus the allowed
+//! lateness, as it was for the live job. The
+//! engine's watermark does not move until the end of the sub-range, where every window
+//! fires once, so the outputs do not depend on file order or batch sizes. Each window
+//! gets one version (`on_time`, or `partial`) whose `watermark` is the sub-range's end.
+//!
+//! A sub-range completes atomically: its outputs are one append to the namespace's output
+//! table and its late records one append to `late_events`, each carrying the commit
+//! identity `(backfill writer, sub-range)`, and then its row is marked done. A backfill
+//! killed at any point resumes at the first sub-range not marked done; commits of that
+//! sub-range that exist are recognised by their identity and skipped, so no version is
+//! written twice.
+//!
+//! # Budgets and live priority
+//!
+//! Records, bytes read and rows written pass token buckets ([`crate::budget`]); the
+//! controller reads the live job's guards and cuts the records budget to its floor when
+//! one crosses, then borrows back gradually.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arrow::array::{Array, BooleanArray, RecordBatch};
+use futures::TryStreamExt;
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use signalweave_lake::{CommitIdentity, Lake, LakeTable};
+use signalweave_model::ErrorKind;
+use signalweave_window::{
+    Completeness, EngineConfig, JobSpec, OutputRow, WindowEngine, WindowSpec, outputs_to_batch,
+};
+use sqlx::Row;
+
+use crate::budget::{Budgets, Controller, GuardReading, Guards, Throttle};
+use crate::error::{Result, RunnerError};
+use crate::late::{self, LateEvent};
+use crate::live::{SUMMARY_JOB, SUMMARY_NAMESPACE, backfill_output_table};
+use crate::metrics::{BackfillMetrics, Labels, SharedStatus};
+
+/// Snapshot summary key: the sub-range of a backfill's sink commit.
+pub const SUMMARY_SUBRANGE: &str = "signalweave.backfill-subrange";
+/// The landing table's arrival column, by which a backfill judges lateness.
+pub const ARRIVAL_COLUMN: &str = "ingest_time";
+/// The column a backfill adds to each batch: the live watermark at the record's arrival.
+const ROW_WATERMARK: &str = "sw_arrival_watermark";
+/// The processing time a backfill's engine runs at: early triggers never fire.
+const BACKFILL_PROC_TIME: i64 = 0;
+
+/// What `backfill start` asks for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BackfillRequest {
+    /// Job name.
+    pub job: String,
+    /// Job version whose spec runs.
+    pub job_version: u32,
+    /// Output namespace (`[a-z0-9_]`, not `live`).
+    pub namespace: String,
+    /// Event-time range start, µs (inclusive).
+    pub from_us: i64,
+    /// Event-time range end, µs (exclusive).
+    pub to_us: i64,
+    /// Length of a time slice.
+    pub slice: Duration,
+    /// Key-group ranges per slice.
+    pub key_group_splits: u16,
+    /// Token budgets.
+    pub budgets: Budgets,
+    /// Who started it.
+    pub created_by: String,
+}
+
+/// A backfill as recorded in `sw_backfills`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BackfillRecord {
+    /// Job name.
+    pub job: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Job version.
+    pub job_version: u32,
+    /// Range start, µs.
+    pub from_us: i64,
+    /// Range end, µs.
+    pub to_us: i64,
+    /// Events read before each sub-range, µs.
+    pub lead_in_us: i64,
+    /// The pinned landing-table snapshot (None: the table was empty).
+    pub snapshot_id: Option<i64>,
+    /// `pending`, `running`, `paused`, `completed`, `aborted` or `failed`.
+    pub state: String,
+    /// What the operator asked for: `run`, `pause` or `abort`.
+    pub desired: String,
+    /// Budgets.
+    pub budgets: Budgets,
+    /// Who started it.
+    pub created_by: String,
+    /// When, ms since the epoch.
+    pub created_ms: i64,
+    /// Last change, ms since the epoch.
+    pub updated_ms: i64,
+    /// The process running it, if any.
+    pub runner: Option<String>,
+    /// The runner's last heartbeat, ms since the epoch.
+    pub heartbeat_ms: Option<i64>,
+    /// Times live traffic took capacity back.
+    pub preemptions: u64,
+    /// The controller's last decision and its cause.
+    pub last_decision: Option<String>,
+    /// Records per second in force (None: unlimited).
+    pub rate_limit: Option<u32>,
+    /// The failure that stopped it.
+    pub last_error: Option<String>,
+}
+
+impl BackfillRecord {
+    /// True in a final state.
+    pub fn finished(&self) -> bool {
+        matches!(self.state.as_str(), "completed" | "aborted")
+    }
+
+    /// The output table of its namespace (`<output>__bf_<namespace>`).
+    pub fn output_table(&self, spec: &JobSpec) -> Result<LakeTable> {
+        backfill_output_table(spec, &self.namespace)
+    }
+
+    fn holder(&self) -> String {
+        format!("backfill:{}:{}", self.job, self.namespace)
+    }
+}
+
+/// A sub-range as recorded in `sw_backfill_ranges`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SubRange {
+    /// Order of processing (0, 1, ...).
+    pub seq: u32,
+    /// Slice start, µs.
+    pub from_us: i64,
+    /// Slice end, µs.
+    pub to_us: i64,
+    /// First key group.
+    pub kg_lo: u16,
+    /// Key group after the last.
+    pub kg_hi: u16,
+    /// Records in the files the slice plans to read (an upper bound).
+    pub planned_records: u64,
+    /// `pending` or `done`.
+    pub state: String,
+    /// Records read.
+    pub records: u64,
+    /// Bytes of data files read.
+    pub bytes_read: u64,
+    /// Output rows written.
+    pub rows_written: u64,
+    /// Records beyond allowed lateness.
+    pub late: u64,
+    /// Duplicates.
+    pub duplicates: u64,
+    /// Processing seconds.
+    pub seconds: f64,
+    /// When done, ms since the epoch.
+    pub finished_ms: Option<i64>,
+}
+
+/// A value bound into an update.
+enum Value {
+    Int(Option<i64>),
+    Text(Option<String>),
+}
+
+impl Value {
+    fn text(s: &str) -> Self {
+        Value::Text(Some(s.to_string()))
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// The control tables of backfills.
+#[derive(Debug, Clone)]
+pub struct BackfillStore {
+    lake: Lake,
+    sqlite: bool,
+}
+
+const RECORD_COLUMNS: &str = "job, namespace, job_version, from_us, to_us, lead_in_us, \
+     snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, runner, heartbeat_ms, \
+     preemptions, last_decision, rate_limit, last_error";
+
+impl BackfillStore {
+    /// Opens the store, creating its tables where missing.
+    pub async fn open(lake: Lake) -> Result<Self> {
+        let store = Self {
+            sqlite: lake.config().is_sqlite(),
+            lake,
+        };
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS sw_backfills (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, job_version BIGINT NOT NULL, \
+             from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, lead_in_us BIGINT NOT NULL, \
+             snapshot_id BIGINT, state VARCHAR(32) NOT NULL, desired VARCHAR(32) NOT NULL, \
+             budgets VARCHAR(1000) NOT NULL, created_by VARCHAR(255) NOT NULL, \
+             created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL, runner VARCHAR(255), \
+             heartbeat_ms BIGINT, preemptions BIGINT NOT NULL, last_decision VARCHAR(1000), \
+             rate_limit BIGINT, last_error VARCHAR(2000), PRIMARY KEY (catalog_name, job, namespace))",
+            "CREATE TABLE IF NOT EXISTS sw_backfill_ranges (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, seq BIGINT NOT NULL, \
+             from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, kg_lo BIGINT NOT NULL, kg_hi BIGINT NOT NULL, \
+             planned_records BIGINT NOT NULL, state VARCHAR(32) NOT NULL, records BIGINT NOT NULL, \
+             bytes_read BIGINT NOT NULL, rows_written BIGINT NOT NULL, late BIGINT NOT NULL, \
+             duplicates BIGINT NOT NULL, millis BIGINT NOT NULL, finished_ms BIGINT, \
+             PRIMARY KEY (catalog_name, job, namespace, seq))",
+        ] {
+            sqlx::query(ddl)
+                .execute(store.lake.control_pool())
+                .await
+                .map_err(|e| RunnerError::sql("create backfill tables", e))?;
+        }
+        Ok(store)
+    }
+
+    fn q(&self, sql: &str) -> String {
+        if self.sqlite {
+            sql.replace('$', "?")
+        } else {
+            sql.to_string()
+        }
+    }
+
+    fn catalog(&self) -> &str {
+        self.lake.config().catalog_name.as_str()
+    }
+
+    fn record(row: &sqlx::any::AnyRow) -> std::result::Result<BackfillRecord, sqlx::Error> {
+        let budgets: String = row.try_get("budgets")?;
+        Ok(BackfillRecord {
+            job: row.try_get("job")?,
+            namespace: row.try_get("namespace")?,
+            job_version: u32::try_from(row.try_get::<i64, _>("job_version")?).unwrap_or(0),
+            from_us: row.try_get("from_us")?,
+            to_us: row.try_get("to_us")?,
+            lead_in_us: row.try_get("lead_in_us")?,
+            snapshot_id: row.try_get("snapshot_id")?,
+            state: row.try_get("state")?,
+            desired: row.try_get("desired")?,
+            budgets: serde_json::from_str(&budgets).unwrap_or_default(),
+            created_by: row.try_get("created_by")?,
+            created_ms: row.try_get("created_ms")?,
+            updated_ms: row.try_get("updated_ms")?,
+            runner: row.try_get("runner")?,
+            heartbeat_ms: row.try_get("heartbeat_ms")?,
+            preemptions: u64::try_from(row.try_get::<i64, _>("preemptions")?).unwrap_or(0),
+            last_decision: row.try_get("last_decision")?,
+            rate_limit: row
+                .try_get::<Option<i64>, _>("rate_limit")?
+                .and_then(|r| u32::try_from(r).ok()),
+            last_error: row.try_get("last_error")?,
+        })
+    }
+
+    /// The backfill of `job` in `namespace`.
+    pub async fn get(&self, job: &str, namespace: &str) -> Result<Option<BackfillRecord>> {
+        let sql = self.q(&format!(
+            "SELECT {RECORD_COLUMNS} FROM sw_backfills WHERE catalog_name = $1 AND job = $2 AND namespace = $3"
+        ));
+        let row = sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .fetch_optional(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("read a backfill", e))?;
+        row.as_ref()
+            .map(Self::record)
+            .transpose()
+            .map_err(|e| RunnerError::sql("read a backfill", e))
+    }
+
+    /// The backfill of `job` in `namespace`, or `NotFound`.
+    pub async fn require(&self, job: &str, namespace: &str) -> Result<BackfillRecord> {
+        self.get(job, namespace).await?.ok_or_else(|| {
+            RunnerError::new(
+                ErrorKind::NotFound,
+                format!("no backfill of {job} in namespace `{namespace}`"),
+            )
+        })
+    }
+
+    /// Every backfill, newest first.
+    pub async fn list(&self) -> Result<Vec<BackfillRecord>> {
+        let sql = self.q(&format!(
+            "SELECT {RECORD_COLUMNS} FROM sw_backfills WHERE catalog_name = $1 ORDER BY created_ms DESC"
+        ));
+        let rows = sqlx::query(&sql)
+            .bind(self.catalog())
+            .fetch_all(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("list backfills", e))?;
+        rows.iter()
+            .map(Self::record)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| RunnerError::sql("list backfills", e))
+    }
+
+    /// The sub-ranges of a backfill, in order.
+    pub async fn subranges(&self, job: &str, namespace: &str) -> Result<Vec<SubRange>> {
+        let sql = self.q(
+            "SELECT seq, from_us, to_us, kg_lo, kg_hi, planned_records, state, records, bytes_read, \
+             rows_written, late, duplicates, millis, finished_ms FROM sw_backfill_ranges \
+             WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY seq",
+        );
+        let rows = sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .fetch_all(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("read sub-ranges", e))?;
+        let u = |r: &sqlx::any::AnyRow, c: &str| -> std::result::Result<u64, sqlx::Error> {
+            Ok(u64::try_from(r.try_get::<i64, _>(c)?).unwrap_or(0))
+        };
+        rows.iter()
+            .map(|r| {
+                Ok(SubRange {
+                    seq: u32::try_from(r.try_get::<i64, _>("seq")?).unwrap_or(0),
+                    from_us: r.try_get("from_us")?,
+                    to_us: r.try_get("to_us")?,
+                    kg_lo: u16::try_from(r.try_get::<i64, _>("kg_lo")?).unwrap_or(0),
+                    kg_hi: u16::try_from(r.try_get::<i64, _>("kg_hi")?).unwrap_or(0),
+                    planned_records: u(r, "planned_records")?,
+                    state: r.try_get("state")?,
+                    records: u(r, "records")?,
+                    bytes_read: u(r, "bytes_read")?,
+                    rows_written: u(r, "rows_written")?,
+                    late: u(r, "late")?,
+                    duplicates: u(r, "duplicates")?,
+                    seconds: u(r, "millis")? as f64 / 1000.0,
+                    finished_ms: r.try_get("finished_ms")?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| RunnerError::sql("read sub-ranges", e))
+    }
+
+    async fn insert(&self, record: &BackfillRecord, subranges: &[SubRange]) -> Result<()> {
+        let mut tx = self
+            .lake
+            .control_pool()
+            .begin()
+            .await
+            .map_err(|e| RunnerError::sql("begin", e))?;
+        let sql = self.q(
+            "INSERT INTO sw_backfills (catalog_name, job, namespace, job_version, from_us, to_us, \
+             lead_in_us, snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, \
+             preemptions) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0)",
+        );
+        sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(&record.job)
+            .bind(&record.namespace)
+            .bind(i64::from(record.job_version))
+            .bind(record.from_us)
+            .bind(record.to_us)
+            .bind(record.lead_in_us)
+            .bind(record.snapshot_id)
+            .bind(&record.state)
+            .bind(&record.desired)
+            .bind(serde_json::to_string(&record.budgets).unwrap_or_default())
+            .bind(&record.created_by)
+            .bind(record.created_ms)
+            .bind(record.updated_ms)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| RunnerError::sql("record the backfill", e))?;
+        let sql = self.q(
+            "INSERT INTO sw_backfill_ranges (catalog_name, job, namespace, seq, from_us, to_us, \
+             kg_lo, kg_hi, planned_records, state, records, bytes_read, rows_written, late, \
+             duplicates, millis) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'pending', 0, 0, 0, 0, 0, 0)",
+        );
+        for s in subranges {
+            sqlx::query(&sql)
+                .bind(self.catalog())
+                .bind(&record.job)
+                .bind(&record.namespace)
+                .bind(i64::from(s.seq))
+                .bind(s.from_us)
+                .bind(s.to_us)
+                .bind(i64::from(s.kg_lo))
+                .bind(i64::from(s.kg_hi))
+                .bind(s.planned_records as i64)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| RunnerError::sql("record a sub-range", e))?;
+        }
+        tx.commit()
+            .await
+            .map_err(|e| RunnerError::sql("record the backfill", e))
+    }
+
+    /// Records what the operator wants (`run`, `pause`, `abort`); the runner obeys within
+    /// a second. Fails with `Conflict` on a finished backfill.
+    pub async fn set_desired(&self, job: &str, namespace: &str, desired: &str) -> Result<()> {
+        let record = self.require(job, namespace).await?;
+        if record.finished() {
+            return Err(RunnerError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "the backfill of {job} in `{namespace}` is {} already",
+                    record.state
+                ),
+            ));
+        }
+        self.update(
+            job,
+            namespace,
+            "desired = $4, updated_ms = $5",
+            vec![Value::text(desired), Value::Int(Some(now_ms()))],
+        )
+        .await
+    }
+
+    async fn update(
+        &self,
+        job: &str,
+        namespace: &str,
+        set: &str,
+        values: Vec<Value>,
+    ) -> Result<()> {
+        let sql = self.q(&format!(
+            "UPDATE sw_backfills SET {set} WHERE catalog_name = $1 AND job = $2 AND namespace = $3"
+        ));
+        let mut query = sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace);
+        for v in values {
+            query = match v {
+                Value::Int(i) => query.bind(i),
+                Value::Text(t) => query.bind(t),
+            };
+        }
+        query
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("update a backfill", e))?;
+        Ok(())
+    }
+
+    async fn set_state(
+        &self,
+        job: &str,
+        namespace: &str,
+        state: &str,
+        error: Option<String>,
+    ) -> Result<()> {
+        self.update(
+            job,
+            namespace,
+            "state = $4, last_error = $5, updated_ms = $6",
+            vec![
+                Value::text(state),
+                Value::Text(error),
+                Value::Int(Some(now_ms())),
+            ],
+        )
+        .await
+    }
+
+    /// Takes the runner lease: free, held by `runner`, or with a heartbeat older than
+    /// `stale`. Returns false when another live runner holds it.
+    async fn acquire(
+        &self,
+        job: &str,
+        namespace: &str,
+        runner: &str,
+        stale: Duration,
+    ) -> Result<bool> {
+        let now = now_ms();
+        let sql = self.q(
+            "UPDATE sw_backfills SET runner = $4, heartbeat_ms = $5, updated_ms = $5 \
+             WHERE catalog_name = $1 AND job = $2 AND namespace = $3 \
+             AND (runner IS NULL OR runner = $4 OR heartbeat_ms < $6)",
+        );
+        let done = sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .bind(runner)
+            .bind(now)
+            .bind(now - stale.as_millis() as i64)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("take the backfill lease", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Renews the lease; returns the operator's wish, or None when the lease was lost.
+    async fn heartbeat(&self, job: &str, namespace: &str, runner: &str) -> Result<Option<String>> {
+        let sql = self.q(
+            "UPDATE sw_backfills SET heartbeat_ms = $5 WHERE catalog_name = $1 AND job = $2 \
+             AND namespace = $3 AND runner = $4",
+        );
+        let done = sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .bind(runner)
+            .bind(now_ms())
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("renew the backfill lease", e))?;
+        if done.rows_affected() != 1 {
+            return Ok(None);
+        }
+        Ok(Some(self.require(job, namespace).await?.desired))
+    }
+
+    async fn release(&self, job: &str, namespace: &str, runner: &str) -> Result<()> {
+        let sql = self.q(
+            "UPDATE sw_backfills SET runner = NULL, heartbeat_ms = NULL WHERE catalog_name = $1 \
+             AND job = $2 AND namespace = $3 AND runner = $4",
+        );
+        sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .bind(runner)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("release the backfill lease", e))?;
+        Ok(())
+    }
+
+    async fn record_decision(
+        &self,
+        job: &str,
+        namespace: &str,
+        preemption: bool,
+        text: &str,
+        rate: Option<u32>,
+    ) -> Result<()> {
+        self.update(
+            job,
+            namespace,
+            "preemptions = preemptions + $4, last_decision = $5, rate_limit = $6, updated_ms = $7",
+            vec![
+                Value::Int(Some(i64::from(preemption))),
+                Value::text(text),
+                Value::Int(rate.map(i64::from)),
+                Value::Int(Some(now_ms())),
+            ],
+        )
+        .await
+    }
+
+    async fn subrange_done(&self, job: &str, namespace: &str, s: &SubRange) -> Result<()> {
+        let sql = self.q(
+            "UPDATE sw_backfill_ranges SET state = 'done', records = $5, bytes_read = $6, \
+             rows_written = $7, late = $8, duplicates = $9, millis = $10, finished_ms = $11 \
+             WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND seq = $4",
+        );
+        sqlx::query(&sql)
+            .bind(self.catalog())
+            .bind(job)
+            .bind(namespace)
+            .bind(i64::from(s.seq))
+            .bind(s.records as i64)
+            .bind(s.bytes_read as i64)
+            .bind(s.rows_written as i64)
+            .bind(s.late as i64)
+            .bind(s.duplicates as i64)
+            .bind((s.seconds * 1000.0) as i64)
+            .bind(now_ms())
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| RunnerError::sql("record a sub-range", e))?;
+        Ok(())
+    }
+}
+
+/// Checks a namespace name: 1 to 48 of `[a-z0-9_]`, starting with a letter, not `live`.
+pub fn validate_namespace(namespace: &str) -> Result<()> {
+    let ok = !namespace.is_empty()
+        && namespace.len() <= 48
+        && namespace.starts_with(|c: char| c.is_ascii_lowercase())
+        && namespace
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !ok {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "namespace `{namespace}`: use 1 to 48 of a-z, 0-9 and _, starting with a letter"
+            ),
+        ));
+    }
+    if namespace == "live" {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "`live` is the live job's namespace: a backfill writes into its own",
+        ));
+    }
+    Ok(())
+}
+
+/// How far before a sub-range a backfill reads so that its first windows are complete.
+pub fn lead_in_us(spec: &JobSpec) -> i64 {
+    match spec.window {
+        WindowSpec::Session { .. } => spec
+            .window
+            .span_us()
+            .max(signalweave_window::micros(spec.lateness.allowed)),
+        _ => spec.window.span_us(),
+    }
+}
+
+/// The time slices of `[from, to)`: boundaries at multiples of `slice`.
+fn slices(from_us: i64, to_us: i64, slice_us: i64) -> Vec<(i64, i64)> {
+    let mut out = Vec::new();
+    let mut a = from_us;
+    while a < to_us {
+        let next = (a.div_euclid(slice_us) + 1).saturating_mul(slice_us);
+        let b = next.min(to_us);
+        out.push((a, b));
+        a = b;
+    }
+    out
+}
+
+/// Records a new backfill: validates the request against `spec` (the job version's spec),
+/// pins and holds the landing table's current snapshot, plans the sub-ranges, and creates
+/// the namespace's output table. Fails with `Conflict` when the namespace has a backfill
+/// of this job already (a namespace is written by one backfill).
+pub async fn create(
+    lake: &Lake,
+    spec: &JobSpec,
+    request: &BackfillRequest,
+) -> Result<BackfillRecord> {
+    validate_namespace(&request.namespace)?;
+    if spec.name != request.job || spec.version != request.job_version {
+        return Err(RunnerError::new(
+            ErrorKind::Config,
+            format!(
+                "the spec is {} version {}, the request {} version {}",
+                spec.name, spec.version, request.job, request.job_version
+            ),
+        ));
+    }
+    if request.from_us >= request.to_us {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "--from must be before --to",
+        ));
+    }
+    let slice_us = i64::try_from(request.slice.as_micros()).unwrap_or(i64::MAX);
+    if slice_us < 60_000_000 {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "a slice must be at least one minute",
+        ));
+    }
+    let key_groups = signalweave_window::DEFAULT_KEY_GROUPS;
+    if request.key_group_splits == 0 || request.key_group_splits > key_groups {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            format!("key-group splits must be 1 to {key_groups}"),
+        ));
+    }
+    if let Some(0) = request.budgets.records_per_sec {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "--records-per-sec must be positive (use --floor-records-per-sec 0 to pause under live load)",
+        ));
+    }
+    if let Some(ceiling) = request.budgets.records_per_sec
+        && request.budgets.floor_records_per_sec > ceiling
+    {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "the floor is above --records-per-sec",
+        ));
+    }
+    let store = BackfillStore::open(lake.clone()).await?;
+    if let Some(existing) = store.get(&request.job, &request.namespace).await? {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "namespace `{}` of {} belongs to the backfill started by {} (state {}): choose another namespace",
+                existing.namespace, existing.job, existing.created_by, existing.state
+            ),
+        ));
+    }
+    let output = backfill_output_table(spec, &request.namespace)?;
+    lake.ensure_output_table(output).await?;
+    let events = lake.table(LakeTable::Events).await?;
+    let snapshot_id = events
+        .metadata()
+        .current_snapshot()
+        .map(|s| s.snapshot_id());
+    let lead_in = lead_in_us(spec);
+    let mut subranges = Vec::new();
+    let splits = request.key_group_splits;
+    for (a, b) in slices(request.from_us, request.to_us, slice_us) {
+        let planned = lake
+            .plan_time_range(LakeTable::Events, a - lead_in, b, snapshot_id)
+            .await?
+            .planned_records();
+        for i in 0..splits {
+            let lo = (u32::from(key_groups) * u32::from(i) / u32::from(splits)) as u16;
+            let hi = (u32::from(key_groups) * (u32::from(i) + 1) / u32::from(splits)) as u16;
+            subranges.push(SubRange {
+                seq: subranges.len() as u32,
+                from_us: a,
+                to_us: b,
+                kg_lo: lo,
+                kg_hi: hi,
+                planned_records: planned / u64::from(splits),
+                state: "pending".into(),
+                records: 0,
+                bytes_read: 0,
+                rows_written: 0,
+                late: 0,
+                duplicates: 0,
+                seconds: 0.0,
+                finished_ms: None,
+            });
+        }
+    }
+    let now = now_ms();
+    let record = BackfillRecord {
+        job: request.job.clone(),
+        namespace: request.namespace.clone(),
+        job_version: request.job_version,
+        from_us: request.from_us,
+        to_us: request.to_us,
+        lead_in_us: lead_in,
+        snapshot_id,
+        state: "pending".into(),
+        desired: "run".into(),
+        budgets: request.budgets,
+        created_by: request.created_by.clone(),
+        created_ms: now,
+        updated_ms: now,
+        runner: None,
+        heartbeat_ms: None,
+        preemptions: 0,
+        last_decision: None,
+        rate_limit: request.budgets.records_per_sec,
+        last_error: None,
+    };
+    if let Some(s) = snapshot_id {
+        lake.hold_snapshot(LakeTable::Events, &record.holder(), s)
+            .await?;
+    }
+    store.insert(&record, &subranges).await?;
+    tracing::info!(job = %record.job, namespace = %record.namespace, version = record.job_version, subranges = subranges.len(), snapshot = ?snapshot_id, "backfill planned");
+    Ok(record)
+}
+
+/// A probe of the live job's guards (None: its status could not be read).
+pub type GuardProbe = Arc<dyn Fn() -> BoxFuture<'static, Option<GuardReading>> + Send + Sync>;
+
+/// A probe that reads the statuses of live jobs in this process.
+pub fn probe_statuses(statuses: Vec<SharedStatus>) -> GuardProbe {
+    let statuses = Arc::new(statuses);
+    Arc::new(move || {
+        let statuses = Arc::clone(&statuses);
+        Box::pin(async move {
+            let copies: Vec<_> = statuses
+                .iter()
+                .filter_map(|s| s.lock().ok().map(|s| s.clone()))
+                .collect();
+            Some(GuardReading::from_statuses(&copies))
+        })
+    })
+}
+
+/// A probe for a lake without a live job: every guard always clear.
+pub fn probe_none() -> GuardProbe {
+    probe_statuses(Vec::new())
+}
+
+/// A fault drill for tests: stop the process (`abort`, like kill -9) after committing the
+/// outputs of sub-range `seq`, before it is marked done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackfillFault {
+    /// The sub-range.
+    pub seq: u32,
+}
+
+/// How a backfill runs in this process.
+#[derive(Clone)]
+pub struct RunOptions {
+    /// The live job's guards.
+    pub guards: Guards,
+    /// Where they are read.
+    pub probe: GuardProbe,
+    /// How often the controller reads them.
+    pub probe_every: Duration,
+    /// Metrics.
+    pub metrics: Arc<BackfillMetrics>,
+    /// Progress, for a terminal view.
+    pub progress: SharedProgress,
+    /// A fault drill (tests).
+    pub fault: Option<BackfillFault>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("guards", &self.guards)
+            .field("probe_every", &self.probe_every)
+            .finish()
+    }
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            guards: Guards::default(),
+            probe: probe_none(),
+            probe_every: Duration::from_millis(100),
+            metrics: Arc::new(BackfillMetrics::new()),
+            progress: SharedProgress::default(),
+            fault: None,
+        }
+    }
+}
+
+/// Progress of a running backfill.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Progress {
+    /// Sub-ranges in the plan.
+    pub subranges: usize,
+    /// Sub-ranges done.
+    pub done: usize,
+    /// Records planned (upper bound).
+    pub planned_records: u64,
+    /// Records read (done sub-ranges and the current one).
+    pub records: u64,
+    /// Output rows written.
+    pub rows_written: u64,
+    /// `running`, `paused`, ...
+    pub state: String,
+    /// Records per second in force (None: unlimited).
+    pub rate_limit: Option<u32>,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// The controller's last decision.
+    pub last_decision: Option<String>,
+}
+
+/// Progress, shared with whoever shows it.
+pub type SharedProgress = Arc<Mutex<Progress>>;
+
+/// A runner whose lease was not renewed for this long is gone.
+pub const LEASE_STALE: Duration = Duration::from_secs(5);
+
+const RUN: u8 = 0;
+const PAUSE: u8 = 1;
+const ABORT: u8 = 2;
+const LOST: u8 = 3;
+
+struct SubRangeOutput {
+    rows: Vec<OutputRow>,
+    late: Vec<LateEvent>,
+    figures: SubRange,
+}
+
+/// Runs (or resumes) the backfill of `spec` in `namespace` until it completes, is
+/// aborted, or fails. `spec` must be the spec of the backfill's job version.
+pub async fn run(
+    lake: &Lake,
+    spec: Arc<JobSpec>,
+    namespace: &str,
+    options: RunOptions,
+) -> Result<BackfillRecord> {
+    let store = BackfillStore::open(lake.clone()).await?;
+    let record = store.require(&spec.name, namespace).await?;
+    if record.finished() {
+        return Ok(record);
+    }
+    if spec.version != record.job_version {
+        return Err(RunnerError::new(
+            ErrorKind::Config,
+            format!(
+                "the backfill runs {} version {}, not {}",
+                spec.name, record.job_version, spec.version
+            ),
+        ));
+    }
+    let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
+    if !store
+        .acquire(&spec.name, namespace, &runner, LEASE_STALE)
+        .await?
+    {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "the backfill of {} in `{namespace}` is running in another process ({})",
+                spec.name,
+                record.runner.as_deref().unwrap_or("?")
+            ),
+        ));
+    }
+    if record.desired == "abort" {
+        store
+            .set_state(&spec.name, namespace, "aborted", None)
+            .await?;
+        lake.release_snapshot(LakeTable::Events, &record.holder())
+            .await?;
+        store.release(&spec.name, namespace, &runner).await?;
+        return store.require(&spec.name, namespace).await;
+    }
+    // A resume clears a pause asked of a process that is gone.
+    if record.desired == "pause" && record.state != "running" {
+        store.set_desired(&spec.name, namespace, "run").await?;
+    }
+    let throttle = Arc::new(Throttle::new(&record.budgets));
+    let control = Arc::new(AtomicU8::new(RUN));
+    let labels: Labels = vec![
+        ("job".into(), spec.name.clone()),
+        ("namespace".into(), namespace.to_string()),
+    ];
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let background = tokio::spawn(background(
+        store.clone(),
+        record.clone(),
+        runner.clone(),
+        options.clone(),
+        Arc::clone(&throttle),
+        Arc::clone(&control),
+        labels.clone(),
+        stop_rx,
+    ));
+    let backfill = Running {
+        lake: lake.clone(),
+        spec,
+        store: store.clone(),
+        record,
+        throttle,
+        control,
+        options,
+        labels,
+    };
+    let result = backfill.run_subranges().await;
+    let _ = stop_tx.send(true);
+    let _ = background.await;
+    let (job, ns) = (&backfill.record.job, &backfill.record.namespace);
+    let outcome = match result {
+        Ok(state) => {
+            store.set_state(job, ns, state, None).await?;
+            if state != "paused" {
+                lake.release_snapshot(LakeTable::Events, &backfill.record.holder())
+                    .await?;
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let _ = store
+                .set_state(job, ns, "failed", Some(e.to_string()))
+                .await;
+            Err(e)
+        }
+    };
+    store.release(job, ns, &runner).await?;
+    outcome?;
+    let record = store.require(job, ns).await?;
+    if let Ok(mut p) = backfill.options.progress.lock() {
+        p.state = record.state.clone();
+    }
+    Ok(record)
+}
+
+/// The controller and the lease, beside the run: reads the guards every `probe_every`,
+/// applies decisions, and renews the lease (reading the operator's wish) every 500 ms.
+#[allow(clippy::too_many_arguments)]
+async fn background(
+    store: BackfillStore,
+    record: BackfillRecord,
+    runner: String,
+    options: RunOptions,
+    throttle: Arc<Throttle>,
+    control: Arc<AtomicU8>,
+    labels: Labels,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut controller = Controller::new(options.guards, record.budgets);
+    let mut last_heartbeat = Instant::now();
+    let m = &options.metrics;
+    let rate_gauge = |rate: Option<u32>| rate.map_or(-1, i64::from);
+    m.rate_limit
+        .get_or_create(&labels)
+        .set(rate_gauge(controller.rate()));
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(options.probe_every) => {}
+        }
+        let reading = tokio::time::timeout(Duration::from_secs(1), (options.probe)())
+            .await
+            .ok()
+            .flatten();
+        if let Some(r) = &reading {
+            for (guard, v) in [
+                ("queue_age", r.queue_age_s),
+                ("watermark_delay", r.watermark_delay_s),
+                ("checkpoint_age", r.checkpoint_age_s),
+                ("sink_commit", r.sink_commit_s),
+            ] {
+                let mut l = labels.clone();
+                l.push(("guard".into(), guard.into()));
+                m.guard_seconds.get_or_create(&l).set(v);
+            }
+        }
+        if let Some(d) = controller.observe(reading.as_ref(), Instant::now()) {
+            throttle.set_rate(d.rate, d.crossed_at);
+            let rate = d
+                .rate
+                .map_or_else(|| "unlimited".to_string(), |r| format!("{r} records/s"));
+            let text = format!("{} to {rate}: {}", d.action, d.cause);
+            tracing::info!(job = %record.job, namespace = %record.namespace, action = d.action, cause = %d.cause, rate = ?d.rate, "backfill budget decision");
+            let mut l = labels.clone();
+            l.push(("action".into(), d.action.into()));
+            m.decisions.get_or_create(&l).inc();
+            m.rate_limit.get_or_create(&labels).set(rate_gauge(d.rate));
+            let preemption = d.action == "reclaim";
+            if let Ok(mut p) = options.progress.lock() {
+                p.rate_limit = d.rate;
+                p.last_decision = Some(text.clone());
+                p.preemptions += u64::from(preemption);
+            }
+            if let Err(e) = store
+                .record_decision(&record.job, &record.namespace, preemption, &text, d.rate)
+                .await
+            {
+                tracing::warn!(error = %e, "could not record a backfill decision");
+            }
+        }
+        for latency in throttle.reclaim_latencies().iter().skip(
+            m.reclaim_seen
+                .load(Ordering::Relaxed)
+                .try_into()
+                .unwrap_or(usize::MAX),
+        ) {
+            m.reclaim_seconds
+                .get_or_create(&labels)
+                .observe(latency.as_secs_f64());
+            m.reclaim_seen.fetch_add(1, Ordering::Relaxed);
+        }
+        if last_heartbeat.elapsed() >= Duration::from_millis(500) {
+            last_heartbeat = Instant::now();
+            match store
+                .heartbeat(&record.job, &record.namespace, &runner)
+                .await
+            {
+                Ok(Some(desired)) => control.store(
+                    match desired.as_str() {
+                        "pause" => PAUSE,
+                        "abort" => ABORT,
+                        _ => RUN,
+                    },
+                    Ordering::Relaxed,
+                ),
+                Ok(None) => control.store(LOST, Ordering::Relaxed),
+                Err(e) => tracing::warn!(error = %e, "backfill heartbeat failed"),
+            }
+        }
+    }
+}
+
+struct Running {
+    lake: Lake,
+    spec: Arc<JobSpec>,
+    store: BackfillStore,
+    record: BackfillRecord,
+    throttle: Arc<Throttle>,
+    control: Arc<AtomicU8>,
+    options: RunOptions,
+    labels: Labels,
+}
+
+impl Running {
+    fn writer(&self) -> String {
+        format!("backfill:{}:{}", self.record.job, self.record.namespace)
+    }
+
+    fn late_writer(&self) -> String {
+        format!(
+            "backfill-late:{}:{}",
+            self.record.job, self.record.namespace
+        )
+    }
+
+    /// Obeys the operator between batches: returns Ok(false) on abort, waits while paused.
+    async fn obey(&self) -> Result<bool> {
+        let mut paused = false;
+        loop {
+            match self.control.load(Ordering::Relaxed) {
+                RUN => {
+                    if paused {
+                        tracing::info!(job = %self.record.job, namespace = %self.record.namespace, "backfill resumed");
+                        self.state("running").await?;
+                    }
+                    return Ok(true);
+                }
+                ABORT => return Ok(false),
+                LOST => {
+                    return Err(RunnerError::new(
+                        ErrorKind::Conflict,
+                        "the backfill's lease was taken by another process",
+                    ));
+                }
+                _ => {
+                    if !paused {
+                        paused = true;
+                        tracing::info!(job = %self.record.job, namespace = %self.record.namespace, "backfill paused");
+                        self.state("paused").await?;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    async fn state(&self, state: &str) -> Result<()> {
+        if let Ok(mut p) = self.options.progress.lock() {
+            p.state = state.to_string();
+        }
+        self.store
+            .set_state(&self.record.job, &self.record.namespace, state, None)
+            .await
+    }
+
+    /// Runs the pending sub-ranges; returns the final state (`completed` or `aborted`).
+    async fn run_subranges(&self) -> Result<&'static str> {
+        let (job, ns) = (&self.record.job, &self.record.namespace);
+        let subranges = self.store.subranges(job, ns).await?;
+        if let Ok(mut p) = self.options.progress.lock() {
+            p.subranges = subranges.len();
+            p.done = subranges.iter().filter(|s| s.state == "done").count();
+            p.planned_records = subranges.iter().map(|s| s.planned_records).sum();
+            p.records = subranges.iter().map(|s| s.records).sum();
+            p.rows_written = subranges.iter().map(|s| s.rows_written).sum();
+            p.rate_limit = self.record.budgets.records_per_sec;
+            p.preemptions = self.record.preemptions;
+        }
+        self.state("running").await?;
+        let output = self.record.output_table(&self.spec)?;
+        for sub in subranges.iter().filter(|s| s.state != "done") {
+            if !self.obey().await? {
+                return Ok("aborted");
+            }
+            let started = Instant::now();
+            let Some(mut out) = self.process(sub).await? else {
+                return Ok("aborted");
+            };
+            out.figures.seconds = started.elapsed().as_secs_f64();
+            self.throttle.admit_rows(out.rows.len() as u64).await;
+            let out_snapshot = self.commit(output, sub, &out).await?;
+            if self.options.fault == Some(BackfillFault { seq: sub.seq }) {
+                eprintln!(
+                    "fault drill: stopping after the commit of sub-range {}",
+                    sub.seq
+                );
+                std::process::abort();
+            }
+            self.store.subrange_done(job, ns, &out.figures).await?;
+            if let Some(s) = out_snapshot {
+                self.lake
+                    .hold_snapshot(output, &self.record.holder(), s)
+                    .await?;
+            }
+            let m = &self.options.metrics;
+            m.subranges_done.get_or_create(&self.labels).inc();
+            m.rows_written
+                .get_or_create(&self.labels)
+                .inc_by(out.rows.len() as u64);
+            if let Ok(mut p) = self.options.progress.lock() {
+                p.done += 1;
+                p.rows_written += out.rows.len() as u64;
+            }
+            tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, "backfill sub-range done");
+        }
+        Ok("completed")
+    }
+
+    /// Reads and processes one sub-range; None when aborted meanwhile.
+    async fn process(&self, sub: &SubRange) -> Result<Option<SubRangeOutput>> {
+        let mut engine = WindowEngine::new(
+            Arc::clone(&self.spec),
+            EngineConfig {
+                namespace: self.record.namespace.clone(),
+                key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
+                watermark_column: Some(ROW_WATERMARK.into()),
+            },
+        )?;
+        let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
+        let plan = self
+            .lake
+            .plan_time_range(
+                LakeTable::Events,
+                sub.from_us - self.record.lead_in_us,
+                sub.to_us,
+                self.record.snapshot_id,
+            )
+            .await?;
+        let arrivals = self
+            .lake
+            .arrival_watermarks(
+                LakeTable::Events,
+                self.record.snapshot_id,
+                &self.spec.time.event_time_column,
+                ARRIVAL_COLUMN,
+                signalweave_window::micros(self.spec.time.max_out_of_orderness),
+            )
+            .await?;
+        let mut figures = sub.clone();
+        let mut late_events = Vec::new();
+        let key_columns = self.spec.key.columns.clone();
+        let event_time = self.spec.time.event_time_column.clone();
+        let m = &self.options.metrics;
+        let records_counter = m.records.get_or_create(&self.labels).clone();
+        let bytes_counter = m.bytes_read.get_or_create(&self.labels).clone();
+        for task in plan.tasks {
+            let bytes = task.length;
+            let sequence = arrivals.sequence_of(&task.data_file_path);
+            self.throttle.admit_bytes(bytes).await;
+            figures.bytes_read += bytes;
+            bytes_counter.inc_by(bytes);
+            let mut stream = self.lake.read(LakeTable::Events, vec![task]).await?;
+            while let Some(batch) = stream.try_next().await.map_err(|e| {
+                RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
+            })? {
+                if !self.obey().await? {
+                    return Ok(None);
+                }
+                let n = batch.num_rows() as u64;
+                self.throttle.admit_records(n).await;
+                figures.records += n;
+                records_counter.inc_by(n);
+                if let Ok(mut p) = self.options.progress.lock() {
+                    p.records += n;
+                }
+                let batch = if all_groups {
+                    batch
+                } else {
+                    let groups = engine.key_groups_of_rows(&batch)?;
+                    let mask: BooleanArray = groups
+                        .iter()
+                        .map(|g| Some(g.is_some_and(|g| g >= sub.kg_lo && g < sub.kg_hi)))
+                        .collect();
+                    arrow::compute::filter_record_batch(&batch, &mask).map_err(|e| {
+                        RunnerError::new(ErrorKind::Internal, format!("key-group filter: {e}"))
+                    })?
+                };
+                let batch = with_arrival_watermark(&batch, &arrivals, sequence)?;
+                let outcome = engine.process_batch(&batch, "events", BACKFILL_PROC_TIME)?;
+                figures.duplicates += outcome.duplicates;
+                if outcome.late.is_empty() {
+                    continue;
+                }
+                // Late records are the business of the sub-range their event time is in.
+                let times = batch
+                    .column_by_name(&event_time)
+                    .and_then(|c| {
+                        arrow::array::AsArray::as_primitive_opt::<
+                            arrow::datatypes::TimestampMicrosecondType,
+                        >(c.as_ref())
+                        .cloned()
+                    })
+                    .ok_or_else(|| {
+                        RunnerError::new(ErrorKind::InvalidInput, "events lack the event time")
+                    })?;
+                let owned: Vec<_> = outcome
+                    .late
+                    .into_iter()
+                    .filter(|l| {
+                        let t = times.value(l.row as usize);
+                        !times.is_null(l.row as usize) && t >= sub.from_us && t < sub.to_us
+                    })
+                    .collect();
+                late_events.extend(late::extract(
+                    &batch,
+                    &owned,
+                    &key_columns,
+                    chrono::Utc::now().timestamp_micros(),
+                )?);
+            }
+        }
+        let generated_at = chrono::Utc::now().timestamp_micros();
+        let last = sub.to_us == self.record.to_us;
+        let rows: Vec<OutputRow> = engine
+            .finish(BACKFILL_PROC_TIME)
+            .into_iter()
+            .filter(|r| {
+                let owned = r.window_end > sub.from_us && r.window_end <= sub.to_us;
+                let crossing_end = last && r.window_start < sub.to_us && r.window_end > sub.to_us;
+                owned || crossing_end
+            })
+            .map(|mut r| {
+                r.completeness = if r.window_end > self.record.to_us {
+                    Completeness::Partial
+                } else {
+                    Completeness::OnTime
+                };
+                r.watermark = sub.to_us;
+                r.emitted_at = generated_at;
+                r
+            })
+            .collect();
+        figures.rows_written = rows.len() as u64;
+        figures.late = late_events.len() as u64;
+        Ok(Some(SubRangeOutput {
+            rows,
+            late: late_events,
+            figures,
+        }))
+    }
+
+    /// Commits a sub-range's outputs, then its late records; commits that exist are
+    /// recognised by their identity and skipped. Returns the output snapshot.
+    async fn commit(
+        &self,
+        output: LakeTable,
+        sub: &SubRange,
+        out: &SubRangeOutput,
+    ) -> Result<Option<i64>> {
+        let summary: HashMap<String, String> = [
+            (SUMMARY_JOB, self.record.job.clone()),
+            (SUMMARY_NAMESPACE, self.record.namespace.clone()),
+            (SUMMARY_SUBRANGE, sub.seq.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mut snapshot = None;
+        if !out.rows.is_empty() {
+            let batch = outputs_to_batch(&self.spec, &self.record.namespace, &out.rows)?;
+            let batch = RecordBatch::try_new(output.arrow_schema(), batch.columns().to_vec())
+                .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
+            let identity = CommitIdentity::new(self.writer(), u64::from(sub.seq));
+            let outcome = self
+                .lake
+                .append_with_summary(output, &[batch], &identity, summary.clone())
+                .await?;
+            snapshot = Some(outcome.snapshot_id);
+        }
+        if !out.late.is_empty() {
+            let batch = late::to_batch(&self.record.job, &self.record.namespace, &out.late)?;
+            let identity = CommitIdentity::new(self.late_writer(), u64::from(sub.seq));
+            self.lake
+                .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
+                .await?;
+        }
+        Ok(snapshot)
+    }
+}
+
+/// `batch` with the live watermark at each record's arrival ([`ROW_WATERMARK`]).
+fn with_arrival_watermark(
+    batch: &RecordBatch,
+    arrivals: &signalweave_lake::ArrivalWatermarks,
+    sequence: i64,
+) -> Result<RecordBatch> {
+    let arrival = batch
+        .column_by_name(ARRIVAL_COLUMN)
+        .and_then(|c| {
+            arrow::array::AsArray::as_primitive_opt::<arrow::datatypes::TimestampMicrosecondType>(
+                c.as_ref(),
+            )
+            .cloned()
+        })
+        .ok_or_else(|| {
+            RunnerError::new(
+                ErrorKind::InvalidInput,
+                format!("events lack the arrival column {ARRIVAL_COLUMN}"),
+            )
+        })?;
+    let wm: arrow::array::Int64Array = arrival
+        .iter()
+        .map(|a| a.map(|a| arrivals.at(a, sequence)))
+        .collect();
+    let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
+    fields.push(Arc::new(arrow::datatypes::Field::new(
+        ROW_WATERMARK,
+        arrow::datatypes::DataType::Int64,
+        true,
+    )));
+    let mut columns = batch.columns().to_vec();
+    columns.push(Arc::new(wm));
+    RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns)
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("arrival watermark: {e}")))
+}
+
+/// Asks a backfill to pause, resume or abort (the running process obeys within a second).
+pub async fn steer(
+    lake: &Lake,
+    job: &str,
+    namespace: &str,
+    desired: &str,
+) -> Result<BackfillRecord> {
+    let store = BackfillStore::open(lake.clone()).await?;
+    store.set_desired(job, namespace, desired).await?;
+    store.require(job, namespace).await
+}
+
+/// Aborts a backfill no process is running: takes its lease, marks it aborted and
+/// releases its snapshot hold. Fails with `Conflict` when a process runs it (ask that one).
+pub async fn abort_idle(lake: &Lake, job: &str, namespace: &str) -> Result<BackfillRecord> {
+    let store = BackfillStore::open(lake.clone()).await?;
+    let record = store.require(job, namespace).await?;
+    let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
+    if !store.acquire(job, namespace, &runner, LEASE_STALE).await? {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!("the backfill of {job} in `{namespace}` is running in another process"),
+        ));
+    }
+    store.set_state(job, namespace, "aborted", None).await?;
+    lake.release_snapshot(LakeTable::Events, &record.holder())
+        .await?;
+    store.release(job, namespace, &runner).await?;
+    store.require(job, namespace).await
+}
+
+/// True when a process holds the backfill's lease and renewed it within `stale`.
+pub fn has_live_runner(record: &BackfillRecord, stale: Duration) -> bool {
+    record.runner.is_some()
+        && record
+            .heartbeat_ms
+            .is_some_and(|h| now_ms() - h < stale.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_align_to_multiples_of_the_slice() {
+        let day = 86_400_000_000;
+        assert_eq!(slices(0, day, day), vec![(0, day)]);
+        assert_eq!(
+            slices(day / 2, 2 * day + 5, day),
+            vec![(day / 2, day), (day, 2 * day), (2 * day, 2 * day + 5)]
+        );
+        assert!(slices(5, 5, day).is_empty());
+    }
+
+    #[test]
+    fn namespaces_are_checked() {
+        assert!(validate_namespace("fix_fees").is_ok());
+        for bad in ["", "live", "Fix", "1a", "a-b", &"a".repeat(49)] {
+            assert_eq!(
+                validate_namespace(bad).map_err(|e| e.kind()),
+                Err(ErrorKind::InvalidInput),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! `backfill compare` and `backfill promote`: a backfill's namespace against the current
+//! outputs for its range, and making it authoritative.
+
+use std::collections::BTreeMap;
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::DataType;
+use serde::Serialize;
+use signalweave_lake::{Lake, Promotion};
+use signalweave_model::{ErrorKind, format_rfc3339_micros};
+use signalweave_window::JobSpec;
+
+use crate::backfill::{BackfillRecord, BackfillStore};
+use crate::error::{Result, RunnerError};
+use crate::live::output_table;
+
+/// One window that differs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WindowDifference {
+    /// `changed`, `missing` (in the current outputs, not in the namespace) or `extra`.
+    pub kind: &'static str,
+    /// Key.
+    pub key: String,
+    /// Window start (RFC 3339).
+    pub window_start: String,
+    /// Window end (RFC 3339).
+    pub window_end: String,
+    /// The current values (`events` and each compared aggregate), if any.
+    pub current: Option<BTreeMap<String, Option<String>>>,
+    /// The namespace's values, if any.
+    pub namespace: Option<BTreeMap<String, Option<String>>>,
+}
+
+/// A column's total over the range.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ColumnTotal {
+    /// Column.
+    pub column: String,
+    /// Total of the current outputs.
+    pub current: f64,
+    /// Total of the namespace.
+    pub namespace: f64,
+    /// namespace − current.
+    pub delta: f64,
+}
+
+/// The result of `backfill compare`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    /// Job.
+    pub job: String,
+    /// Namespace compared.
+    pub namespace: String,
+    /// Its job version.
+    pub job_version: u32,
+    /// Range (RFC 3339): windows overlapping it are compared.
+    pub from: String,
+    /// Range end (RFC 3339).
+    pub to: String,
+    /// Columns compared (`events` and the aggregates both sides have).
+    pub columns: Vec<String>,
+    /// Aggregates only the current outputs have.
+    pub only_current: Vec<String>,
+    /// Aggregates only the namespace has.
+    pub only_namespace: Vec<String>,
+    /// Windows on both sides with equal values.
+    pub same: u64,
+    /// Windows on both sides whose values differ.
+    pub changed: u64,
+    /// Windows in the current outputs and not in the namespace.
+    pub missing: u64,
+    /// Windows in the namespace and not in the current outputs.
+    pub extra: u64,
+    /// Namespace windows crossing the range's end (`partial`): not compared.
+    pub partial: u64,
+    /// Totals per column.
+    pub totals: Vec<ColumnTotal>,
+    /// The differing windows (at most `limit`).
+    pub differences: Vec<WindowDifference>,
+    /// True when more windows differ than are listed.
+    pub truncated: bool,
+}
+
+impl Comparison {
+    /// True when nothing differs.
+    pub fn identical(&self) -> bool {
+        self.changed == 0 && self.missing == 0 && self.extra == 0
+    }
+}
+
+fn strings(batch: &RecordBatch, column: &str) -> Result<arrow::array::StringArray> {
+    let c = batch.column_by_name(column).ok_or_else(|| {
+        RunnerError::new(ErrorKind::Internal, format!("comparison lacks {column}"))
+    })?;
+    arrow::compute::cast(c, &DataType::Utf8)
+        .map(|a| a.as_string::<i32>().clone())
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("{column}: {e}")))
+}
+
+fn value(a: &arrow::array::StringArray, row: usize) -> Option<String> {
+    (!a.is_null(row)).then(|| a.value(row).to_string())
+}
+
+/// Compares the backfill `record` (of `spec`, its job version) with the current outputs
+/// of `live` (the job's current spec) over the windows overlapping its range; lists at
+/// most `limit` differences.
+pub async fn compare(
+    lake: &Lake,
+    live: &JobSpec,
+    spec: &JobSpec,
+    record: &BackfillRecord,
+    limit: usize,
+) -> Result<Comparison> {
+    let live_table = output_table(live, "live")?;
+    let ns_table = record.output_table(spec)?;
+    lake.ensure_output_table(live_table).await?;
+    lake.ensure_output_table(ns_table).await?;
+    let live_aggs: Vec<&str> = live.aggregates.iter().map(|a| a.name.as_str()).collect();
+    let ns_aggs: Vec<&str> = spec.aggregates.iter().map(|a| a.name.as_str()).collect();
+    let mut columns = vec!["events".to_string()];
+    columns.extend(
+        live_aggs
+            .iter()
+            .filter(|a| ns_aggs.contains(a))
+            .map(|a| a.to_string()),
+    );
+    let overlap = format!(
+        "arrow_cast(window_end, 'Int64') > {} AND arrow_cast(window_start, 'Int64') < {}",
+        record.from_us, record.to_us
+    );
+    let mut select = vec![
+        "coalesce(c.key, n.key) AS sw_key".to_string(),
+        "arrow_cast(coalesce(c.window_start, n.window_start), 'Int64') AS sw_start".into(),
+        "arrow_cast(coalesce(c.window_end, n.window_end), 'Int64') AS sw_end".into(),
+        "c.key IS NOT NULL AS sw_in_current".into(),
+        "n.key IS NOT NULL AS sw_in_namespace".into(),
+        "n.completeness AS sw_completeness".into(),
+    ];
+    for (i, col) in columns.iter().enumerate() {
+        select.push(format!("CAST(c.\"{col}\" AS VARCHAR) AS c_{i}"));
+        select.push(format!("CAST(n.\"{col}\" AS VARCHAR) AS n_{i}"));
+    }
+    let sql = format!(
+        "SELECT {} FROM (SELECT * FROM {}_current WHERE {overlap}) c FULL OUTER JOIN \
+         (SELECT * FROM {}_current WHERE {overlap}) n ON c.key = n.key \
+         AND c.window_start = n.window_start AND c.window_end = n.window_end \
+         ORDER BY sw_start, sw_key, sw_end",
+        select.join(", "),
+        live_table.name(),
+        ns_table.name()
+    );
+    let ctx = lake.session_context().await?;
+    let batches = ctx
+        .sql(&sql)
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("compare: {e}")))?
+        .collect()
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("compare: {e}")))?;
+    let mut cmp = Comparison {
+        job: record.job.clone(),
+        namespace: record.namespace.clone(),
+        job_version: record.job_version,
+        from: format_rfc3339_micros(record.from_us),
+        to: format_rfc3339_micros(record.to_us),
+        only_current: live_aggs
+            .iter()
+            .filter(|a| !ns_aggs.contains(a))
+            .map(|a| a.to_string())
+            .collect(),
+        only_namespace: ns_aggs
+            .iter()
+            .filter(|a| !live_aggs.contains(a))
+            .map(|a| a.to_string())
+            .collect(),
+        totals: columns
+            .iter()
+            .map(|c| ColumnTotal {
+                column: c.clone(),
+                current: 0.0,
+                namespace: 0.0,
+                delta: 0.0,
+            })
+            .collect(),
+        columns: columns.clone(),
+        same: 0,
+        changed: 0,
+        missing: 0,
+        extra: 0,
+        partial: 0,
+        differences: Vec::new(),
+        truncated: false,
+    };
+    for batch in &batches {
+        let key = strings(batch, "sw_key")?;
+        let start = batch
+            .column_by_name("sw_start")
+            .and_then(|c| c.as_primitive_opt::<arrow::datatypes::Int64Type>().cloned())
+            .ok_or_else(|| RunnerError::new(ErrorKind::Internal, "comparison lacks sw_start"))?;
+        let end = batch
+            .column_by_name("sw_end")
+            .and_then(|c| c.as_primitive_opt::<arrow::datatypes::Int64Type>().cloned())
+            .ok_or_else(|| RunnerError::new(ErrorKind::Internal, "comparison lacks sw_end"))?;
+        let in_current = strings(batch, "sw_in_current")?;
+        let in_namespace = strings(batch, "sw_in_namespace")?;
+        let completeness = strings(batch, "sw_completeness")?;
+        let cur: Vec<_> = (0..columns.len())
+            .map(|i| strings(batch, &format!("c_{i}")))
+            .collect::<Result<_>>()?;
+        let ns: Vec<_> = (0..columns.len())
+            .map(|i| strings(batch, &format!("n_{i}")))
+            .collect::<Result<_>>()?;
+        for row in 0..batch.num_rows() {
+            let has_c = in_current.value(row) == "true";
+            let has_n = in_namespace.value(row) == "true";
+            if has_n && value(&completeness, row).as_deref() == Some("partial") {
+                cmp.partial += 1;
+                continue;
+            }
+            let values = |side: &[arrow::array::StringArray]| {
+                columns
+                    .iter()
+                    .zip(side)
+                    .map(|(c, a)| (c.clone(), value(a, row)))
+                    .collect::<BTreeMap<_, _>>()
+            };
+            for (i, total) in cmp.totals.iter_mut().enumerate() {
+                let num = |a: &arrow::array::StringArray| {
+                    value(a, row)
+                        .and_then(|v| v.parse::<f64>().ok())
+                        .unwrap_or(0.0)
+                };
+                if has_c {
+                    total.current += num(&cur[i]);
+                }
+                if has_n {
+                    total.namespace += num(&ns[i]);
+                }
+            }
+            let kind = match (has_c, has_n) {
+                (true, true) => {
+                    if (0..columns.len()).all(|i| value(&cur[i], row) == value(&ns[i], row)) {
+                        cmp.same += 1;
+                        continue;
+                    }
+                    cmp.changed += 1;
+                    "changed"
+                }
+                (true, false) => {
+                    cmp.missing += 1;
+                    "missing"
+                }
+                _ => {
+                    cmp.extra += 1;
+                    "extra"
+                }
+            };
+            if cmp.differences.len() == limit {
+                cmp.truncated = true;
+                continue;
+            }
+            cmp.differences.push(WindowDifference {
+                kind,
+                key: key.value(row).to_string(),
+                window_start: format_rfc3339_micros(start.value(row)),
+                window_end: format_rfc3339_micros(end.value(row)),
+                current: has_c.then(|| values(&cur)),
+                namespace: has_n.then(|| values(&ns)),
+            });
+        }
+    }
+    for t in &mut cmp.totals {
+        t.delta = t.namespace - t.current;
+    }
+    Ok(cmp)
+}
+
+/// Promotes a completed backfill: its namespace becomes authoritative for the windows
+/// starting in its range, except the `partial` ones at its end. Requires the namespace's
+/// outputs to have the live outputs' columns (the serving API and the current view show
+/// one schema per job).
+pub async fn promote(
+    lake: &Lake,
+    live: &JobSpec,
+    spec: &JobSpec,
+    record: &BackfillRecord,
+    by: &str,
+) -> Result<Promotion> {
+    if record.state != "completed" {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "the backfill in `{}` is {}: only a completed backfill can be promoted",
+                record.namespace, record.state
+            ),
+        ));
+    }
+    let live_schema = signalweave_window::output_schema(live);
+    let ns_schema = signalweave_window::output_schema(spec);
+    if live_schema.fields() != ns_schema.fields() {
+        return Err(RunnerError::new(
+            ErrorKind::Config,
+            format!(
+                "{} version {} writes other output columns than the live version {}: \
+                 a promotion would mix two schemas in one current view",
+                spec.name, spec.version, live.version
+            ),
+        ));
+    }
+    // Windows crossing the range's end are partial: the promotion stops at the first.
+    let window = spec.window.span_us();
+    let to_us = match spec.window {
+        signalweave_window::WindowSpec::Session { .. } => record.to_us,
+        _ => {
+            let slide = match spec.window {
+                signalweave_window::WindowSpec::Sliding { slide, .. } => {
+                    signalweave_window::micros(slide)
+                }
+                _ => window,
+            };
+            // The last start whose window ends by `to`, plus one slide.
+            let last = (record.to_us - window).div_euclid(slide) * slide;
+            (last + slide).min(record.to_us)
+        }
+    };
+    let live_table = output_table(live, "live")?;
+    let promotion = Promotion {
+        job: record.job.clone(),
+        namespace: record.namespace.clone(),
+        job_version: record.job_version,
+        live_table: live_table.name().to_string(),
+        table: record.output_table(spec)?.name().to_string(),
+        from_us: record.from_us,
+        to_us,
+        promoted_by: by.to_string(),
+        promoted_ms: chrono::Utc::now().timestamp_millis(),
+        rolled_back_by: None,
+        rolled_back_ms: None,
+    };
+    lake.promote(&promotion).await?;
+    tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, "namespace promoted");
+    Ok(promotion)
+}
+
+/// The backfill of `job` in `namespace`, or `NotFound`.
+pub async fn backfill_record(lake: &Lake, job: &str, namespace: &str) -> Result<BackfillRecord> {
+    BackfillStore::open(lake.clone())
+        .await?
+        .require(job, namespace)
+        .await
+}
