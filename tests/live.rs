@@ -8,53 +8,13 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
+use support::cli::{Proc, count, fetch, get, ok, sql, sw, wait_until};
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-fn sw(lake: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_signalweave"));
-    c.current_dir(support::repo())
-        .arg("--lake")
-        .arg(lake)
-        .env_remove("SIGNALWEAVE_FAULT");
-    c
-}
-
-fn ok(out: Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn sql(lake: &Path, query: &str) -> Vec<serde_json::Map<String, Value>> {
-    let out = ok(sw(lake)
-        .args(["sql", query, "--format", "json"])
-        .output()
-        .unwrap());
-    if out.trim().is_empty() {
-        return Vec::new();
-    }
-    serde_json::from_str(&out).unwrap()
-}
-
-fn count(lake: &Path, query: &str) -> i64 {
-    sql(lake, query)[0]
-        .values()
-        .next()
-        .unwrap()
-        .as_i64()
-        .unwrap()
-}
 
 /// A job with a strict lateness (1 s), so the fixture's late events go to `late_events`.
 fn strict_job(dir: &Path) -> PathBuf {
@@ -218,88 +178,6 @@ fn kill_9_at_every_checkpoint_stage_then_restart_ends_as_a_failure_free_run() {
                 "{fault}: late records"
             );
         }
-    }
-}
-
-struct Proc {
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Proc {
-    fn spawn(mut cmd: Command) -> Self {
-        let mut child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut l = sink.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        Self { child, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    fn wait_log(&self, needle: &str, timeout: Duration) {
-        let start = Instant::now();
-        while !self.log().contains(needle) {
-            assert!(
-                start.elapsed() < timeout,
-                "no `{needle}` in: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn terminate(mut self) -> String {
-        let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(ok.success());
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "exit {status:?}: {}", self.log());
-        self.log()
-    }
-}
-
-/// GET `url` with a short timeout: the status code and body, or None when nothing answers.
-fn fetch(url: &str) -> Option<(u16, String)> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()
-            .ok()?;
-        let r = client.get(url).send().await.ok()?;
-        let status = r.status().as_u16();
-        Some((status, r.text().await.ok()?))
-    })
-}
-
-fn get(url: &str) -> Option<String> {
-    fetch(url).and_then(|(status, body)| (status == 200).then_some(body))
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

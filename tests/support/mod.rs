@@ -11,6 +11,8 @@
 
 #![allow(dead_code)]
 
+pub mod cli;
+
 use std::path::PathBuf;
 
 use signalweave_lake::{LakeConfig, S3Config, Warehouse};

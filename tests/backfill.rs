@@ -1,0 +1,374 @@
+//! Backfills as processes: a backfill over a range equals the live job's final outputs
+//! (same job version), late records included; kill -9 between a sub-range's commit and its
+//! progress record, then resume, ends with the outputs of an uninterrupted run and no
+//! version twice; pause, resume and abort steer a running backfill; a new job version is
+//! compared, promoted (the current view and the serving API honour it) and rolled back;
+//! a live burst takes the backfill's capacity back.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::cli::{Proc, count, get, ok, sql, sw, wait_until};
+
+const FROM: &str = "2026-01-01T00:00:00Z";
+const TO: &str = "2026-01-01T03:00:00Z";
+
+/// About four hours of event time, 3 % late (5 min to 3 h behind) and 2 % duplicates,
+/// loaded in commits of 500 records; then the live job reads it one commit per step.
+fn landed_history(dir: &Path) -> PathBuf {
+    let lake = dir.join("lake");
+    let file = dir.join("history.ndjson");
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--out"])
+        .arg(&file)
+        .args([
+            "--events",
+            "24000",
+            "--events-per-sec",
+            "2",
+            "--late-fraction",
+            "0.03",
+            "--dup-fraction",
+            "0.02",
+        ])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .arg("load")
+        .arg(&file)
+        .args(["--chunk-records", "500"])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/market_aggregates.toml",
+            "--until-caught-up",
+            "--max-snapshots-per-step",
+            "1",
+        ])
+        .output()
+        .unwrap());
+    lake
+}
+
+fn start(lake: &Path, namespace: &str, extra: &[&str]) -> std::process::Command {
+    let mut c = sw(lake);
+    c.args([
+        "backfill",
+        "start",
+        "--job",
+        "market_aggregates",
+        "--from",
+        FROM,
+        "--to",
+        TO,
+        "--namespace",
+        namespace,
+        "--slice",
+        "30m",
+        "--quiet",
+    ])
+    .args(extra);
+    c
+}
+
+fn try_status(lake: &Path, namespace: &str) -> Option<Value> {
+    let out = sw(lake)
+        .args([
+            "backfill",
+            "status",
+            "--job",
+            "market_aggregates",
+            "--namespace",
+            namespace,
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    let mut v: Vec<Value> = serde_json::from_slice(&out.stdout).ok()?;
+    out.status.success().then(|| v.remove(0))
+}
+
+fn status(lake: &Path, namespace: &str) -> Value {
+    try_status(lake, namespace).expect("backfill status")
+}
+
+fn compare(lake: &Path, namespace: &str) -> Value {
+    let out = ok(sw(lake)
+        .args([
+            "backfill",
+            "compare",
+            "--job",
+            "market_aggregates",
+            "--namespace",
+            namespace,
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap());
+    serde_json::from_str(&out).unwrap()
+}
+
+fn backfill_cmd(lake: &Path, verb: &str, namespace: &str) -> Output {
+    sw(lake)
+        .args([
+            "backfill",
+            verb,
+            "--job",
+            "market_aggregates",
+            "--namespace",
+            namespace,
+        ])
+        .output()
+        .unwrap()
+}
+
+const OUTPUTS: &str = "select key, cast(window_start as varchar) w, output_version, completeness, \
+     events, placed_count, placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, \
+     cancelled_amount_minor from signalweave.{t} order by key, w, output_version";
+
+fn late_in_range(lake: &Path, namespace: &str) -> i64 {
+    count(
+        lake,
+        &format!(
+            "select count(*) from signalweave.late_events where job = 'market_aggregates' \
+             and namespace = '{namespace}' and event_time >= '{FROM}' and event_time < '{TO}'"
+        ),
+    )
+}
+
+#[test]
+fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed_history(dir.path());
+    ok(start(&lake, "reference", &[]).output().unwrap());
+    let s = status(&lake, "reference");
+    assert_eq!(s["backfill"]["state"], "completed", "{s}");
+    let subs = s["subranges"].as_array().unwrap();
+    assert_eq!(subs.len(), 6, "3 h in 30 min slices");
+    assert!(subs.iter().all(|s| s["state"] == "done"));
+
+    // Equal to the live job's outputs for the range, window by window.
+    let c = compare(&lake, "reference");
+    assert!(c["same"].as_u64().unwrap() > 1_000, "{c}");
+    for k in ["changed", "missing", "extra", "partial"] {
+        assert_eq!(c[k], 0, "{k}: {c}");
+    }
+    // The same records were late, by the same rule.
+    let live_late = late_in_range(&lake, "live");
+    assert!(
+        live_late > 20,
+        "the fixture has events beyond 2 h: {live_late}"
+    );
+    assert_eq!(late_in_range(&lake, "reference"), live_late);
+    // Every window once, version 1, on time.
+    let table = "market_aggregates__bf_reference";
+    assert_eq!(
+        count(
+            &lake,
+            &format!(
+                "select count(*) from signalweave.{table} where output_version <> 1 \
+                 or completeness <> 'on_time'"
+            )
+        ),
+        0
+    );
+
+    // kill -9 after the commit of sub-range 2, before its progress is recorded.
+    let crashed = start(&lake, "killed", &[])
+        .env("SIGNALWEAVE_BACKFILL_FAULT", "2")
+        .output()
+        .unwrap();
+    assert!(!crashed.status.success(), "the drill did not stop it");
+    let s = status(&lake, "killed");
+    let done = s["subranges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "done")
+        .count();
+    assert_eq!(done, 2, "{s}");
+    // Resume right away: the lease of the killed process is still fresh; resume waits
+    // for it to go stale rather than run beside a live runner.
+    std::thread::sleep(Duration::from_secs(6));
+    ok(backfill_cmd(&lake, "resume", "killed"));
+    assert_eq!(status(&lake, "killed")["backfill"]["state"], "completed");
+    let expected = sql(&lake, &OUTPUTS.replace("{t}", table));
+    let resumed = sql(
+        &lake,
+        &OUTPUTS.replace("{t}", "market_aggregates__bf_killed"),
+    );
+    assert_eq!(resumed.len(), expected.len(), "no version written twice");
+    assert_eq!(resumed, expected);
+    assert_eq!(late_in_range(&lake, "killed"), live_late);
+    // A finished backfill cannot be resumed, and a namespace has one backfill.
+    let again = backfill_cmd(&lake, "resume", "killed");
+    assert_eq!(again.status.code(), Some(3), "{again:?}");
+    let taken = start(&lake, "killed", &[]).output().unwrap();
+    assert_eq!(taken.status.code(), Some(3), "{taken:?}");
+    let bad = start(&lake, "Bad-Name", &[]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+}
+
+#[test]
+fn pause_resume_and_abort_steer_a_running_backfill() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed_history(dir.path());
+    let metrics_port = support::free_port();
+    let runner = Proc::spawn({
+        let mut c = start(
+            &lake,
+            "steered",
+            &[
+                "--records-per-sec",
+                "3000",
+                "--metrics-addr",
+                &format!("127.0.0.1:{metrics_port}"),
+            ],
+        );
+        c.env("SIGNALWEAVE_LOG", "signalweave_runner=info");
+        c
+    });
+    wait_until("a running backfill", Duration::from_secs(30), || {
+        try_status(&lake, "steered").is_some_and(|s| s["running"] == true)
+    });
+    ok(backfill_cmd(&lake, "pause", "steered"));
+    wait_until("paused", Duration::from_secs(5), || {
+        status(&lake, "steered")["backfill"]["state"] == "paused"
+    });
+    let records = |lake: &Path| {
+        status(lake, "steered")["subranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["records"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    let metric = || {
+        get(&format!("http://127.0.0.1:{metrics_port}/metrics"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("signalweave_backfill_records_total"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let paused_at = metric();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(metric(), paused_at, "a paused backfill reads nothing");
+    ok(backfill_cmd(&lake, "resume", "steered"));
+    wait_until("resumed", Duration::from_secs(10), || metric() > paused_at);
+    ok(backfill_cmd(&lake, "abort", "steered"));
+    let status_code = {
+        let mut child = runner.child;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s.code();
+            }
+            assert!(Instant::now() < deadline, "abort was not obeyed");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(status_code, Some(1), "an aborted backfill exits 1");
+    let s = status(&lake, "steered");
+    assert_eq!(s["backfill"]["state"], "aborted", "{s}");
+    assert!(records(&lake) < 24_000, "aborted before the end");
+    let again = backfill_cmd(&lake, "resume", "steered");
+    assert_eq!(again.status.code(), Some(3), "{again:?}");
+}
+
+#[test]
+fn a_new_version_is_compared_promoted_served_and_rolled_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed_history(dir.path());
+    // Version 2 allows 4 h of lateness: the records version 1 found late now count.
+    ok(start(&lake, "fix_lateness", &["--job-version", "2"])
+        .output()
+        .unwrap());
+    let c = compare(&lake, "fix_lateness");
+    let live_late = late_in_range(&lake, "live");
+    assert_eq!(late_in_range(&lake, "fix_lateness"), 0);
+    assert!(c["changed"].as_u64().unwrap() > 0, "{c}");
+    let events = c["totals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["column"] == "events")
+        .unwrap();
+    assert_eq!(
+        events["delta"].as_f64().unwrap() as i64,
+        live_late,
+        "every record version 1 found late is counted by version 2: {c}"
+    );
+
+    // Promotion: the current view and the serving API take the range from the namespace.
+    ok(backfill_cmd(&lake, "promote", "fix_lateness"));
+    let by_ns = |lake: &Path| {
+        sql(
+            lake,
+            &format!(
+                "select namespace, count(*) n from signalweave.market_aggregates_current \
+                 where window_start >= '{FROM}' and window_start < '{TO}' group by namespace"
+            ),
+        )
+    };
+    let rows = by_ns(&lake);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["namespace"], "fix_lateness");
+    let twice = backfill_cmd(&lake, "promote", "fix_lateness");
+    assert_eq!(twice.status.code(), Some(3), "{twice:?}");
+
+    let port = support::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let serving = Proc::spawn({
+        let mut c = sw(&lake);
+        c.args(["run", "--job", "jobs/market_aggregates.toml"])
+            .args(["--serve", &format!("127.0.0.1:{port}")]);
+        c
+    });
+    wait_until("serving", Duration::from_secs(30), || {
+        get(&format!("{base}/healthz")).is_some()
+    });
+    let answer = |base: &str| -> Value {
+        serde_json::from_str(
+            &get(&format!(
+                "{base}/v1/jobs/market_aggregates/aggregates?key=m-0&from={FROM}&to={TO}"
+            ))
+            .unwrap(),
+        )
+        .unwrap()
+    };
+    let a = answer(&base);
+    assert_eq!(a["promotions"][0]["namespace"], "fix_lateness", "{a}");
+    let windows = a["windows"].as_array().unwrap();
+    assert!(windows.len() > 100, "{a}");
+    assert!(windows.iter().all(|w| w["namespace"] == "fix_lateness"));
+
+    ok(backfill_cmd(&lake, "rollback", "fix_lateness"));
+    let rows = by_ns(&lake);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["namespace"], "live");
+    let a = answer(&base);
+    assert!(a["promotions"].as_array().unwrap().is_empty(), "{a}");
+    assert!(
+        a["windows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["namespace"] == "live")
+    );
+    serving.terminate();
+    let again = backfill_cmd(&lake, "rollback", "fix_lateness");
+    assert_eq!(again.status.code(), Some(2), "{again:?}");
+}
