@@ -185,7 +185,8 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     );
 
     // kill -9 after the commit of sub-range 2, before its progress is recorded.
-    let crashed = start(&lake, "killed", &[])
+    // One sub-range at a time here (the reference ran two at once).
+    let crashed = start(&lake, "killed", &["--parallelism", "1"])
         .env("SIGNALWEAVE_BACKFILL_FAULT", "2")
         .output()
         .unwrap();

@@ -91,6 +91,9 @@ pub struct RunFlags {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+    /// Sub-ranges processed at once (memory grows with it).
+    #[arg(long, default_value_t = 2)]
+    pub parallelism: usize,
     /// Fault drill for tests: abort after committing this sub-range.
     #[arg(long, env = "SIGNALWEAVE_BACKFILL_FAULT", hide = true)]
     pub fault: Option<u32>,
@@ -312,6 +315,7 @@ fn run_options(flags: &RunFlags) -> RunOptions {
             None => backfill::probe_none(),
         },
         fault: flags.fault.map(|seq| BackfillFault { seq }),
+        parallelism: flags.parallelism,
         ..RunOptions::default()
     }
 }

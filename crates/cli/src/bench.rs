@@ -135,6 +135,40 @@ pub enum BenchCommand {
         #[arg(long, default_value = "catalog/gateway/dev.toml")]
         config: std::path::PathBuf,
     },
+    /// Backfill throughput over `--events` landed events with no live traffic, against
+    /// DataFusion computing the same GROUP BY over the same Parquet files; peak RSS.
+    Backfill {
+        /// Events to land (reused when `events` holds that many already).
+        #[arg(long, default_value_t = 50_000_000)]
+        events: u64,
+        /// Events per second of event time (sets the range: 50M at 100/s is 5.8 days).
+        #[arg(long, default_value_t = 100)]
+        events_per_sec: u64,
+        /// Sub-range time slice.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "1day")]
+        slice: std::time::Duration,
+        /// Runs of each side (medians).
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+        /// The job.
+        #[arg(long, default_value = "jobs/market_aggregates.toml")]
+        job: std::path::PathBuf,
+    },
+    /// Reclaim latency: guard crossed to the backfill at its floor, over repeated crossings.
+    Reclaim {
+        /// Events to land (reused when `events` holds that many already).
+        #[arg(long, default_value_t = 5_000_000)]
+        events: u64,
+        /// Guard crossings.
+        #[arg(long, default_value_t = 100)]
+        crossings: usize,
+        /// The backfill's floor, records/s (0: pause).
+        #[arg(long, default_value_t = 1000)]
+        floor: u32,
+        /// The job.
+        #[arg(long, default_value = "jobs/market_aggregates.toml")]
+        job: std::path::PathBuf,
+    },
     /// Range scan + GROUP BY through `signalweave sql` vs DataFusion on the same Parquet files.
     Scan {
         /// Events to land first (skipped if `events` already holds at least this many).
@@ -169,7 +203,7 @@ pub(crate) fn batches(spec: WorkloadSpec, batch: usize) -> Vec<arrow::array::Rec
     out
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
@@ -234,6 +268,32 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 recover.as_deref(),
             )
             .await;
+        }
+        BenchCommand::Backfill {
+            events,
+            events_per_sec,
+            slice,
+            runs,
+            job,
+        } => {
+            return crate::bench_live::backfill(
+                lake,
+                &config,
+                job,
+                *events,
+                *events_per_sec,
+                *slice,
+                *runs,
+            )
+            .await;
+        }
+        BenchCommand::Reclaim {
+            events,
+            crossings,
+            floor,
+            job,
+        } => {
+            return crate::bench_live::reclaim(lake, job, *events, *crossings, *floor).await;
         }
         BenchCommand::Freshness {
             rate,
@@ -400,6 +460,8 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
         }
         BenchCommand::Gateway { .. }
         | BenchCommand::Live { .. }
+        | BenchCommand::Backfill { .. }
+        | BenchCommand::Reclaim { .. }
         | BenchCommand::Recovery { .. }
         | BenchCommand::Freshness { .. } => unreachable!("handled above"),
         BenchCommand::Compaction { files, rows, runs } => {

@@ -1,4 +1,5 @@
-//! `signalweave bench live | recovery | freshness`: the live job's benchmarks.
+//! `signalweave bench live | recovery | freshness | backfill | reclaim`: the live job's and
+//! the backfills' benchmarks.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -7,6 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use signalweave_fixtures::WorkloadSpec;
 use signalweave_lake::{CommitIdentity, Lake, LakeConfig, LakeTable};
+use signalweave_runner::backfill::{self, BackfillRequest, RunOptions};
+use signalweave_runner::budget::{Budgets, GuardReading, Guards};
 use signalweave_runner::freshness::STAGES;
 use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
 use signalweave_window::JobSpec;
@@ -287,5 +290,310 @@ pub async fn freshness(
         );
     }
     println!("samples: {}", job.freshness_samples());
+    Ok(())
+}
+
+/// Lands `events` generated events (no duplicates, nothing late) in commits of 1M,
+/// streaming, unless `signalweave.events` holds that many already. Returns the range of
+/// event time they cover, µs.
+async fn land_history(lake: &Lake, events: u64, events_per_sec: u64) -> Result<(i64, i64)> {
+    let spec = WorkloadSpec {
+        seed: 11,
+        events,
+        events_per_sec,
+        customers: 100_000,
+        dup_fraction: 0.0,
+        late_fraction: 0.0,
+        ..Default::default()
+    };
+    let start = spec.start_us;
+    let end = start + (events as i128 * 1_000_000 / events_per_sec.max(1) as i128) as i64;
+    let landed = lake
+        .snapshots(LakeTable::Events)
+        .await?
+        .last()
+        .map(|s| s.total_records)
+        .unwrap_or(0);
+    if landed >= events {
+        println!("{landed} events landed already: reusing them");
+        return Ok((start, end));
+    }
+    let run = crate::bench::uuid_like();
+    let t = Instant::now();
+    let mut b = signalweave_model::EventBatchBuilder::with_capacity(1_000_000);
+    let mut seq = 0u64;
+    for r in signalweave_fixtures::Generator::new(spec) {
+        let (signalweave_fixtures::Record::Event(mut e)
+        | signalweave_fixtures::Record::Duplicate(mut e)) = r
+        else {
+            continue;
+        };
+        e.ingest_time_us = e.event_time_us + 1_000_000;
+        b.push(&e);
+        if b.len() >= 1_000_000 {
+            let batch = b.finish()?;
+            lake.append(
+                LakeTable::Events,
+                std::slice::from_ref(&batch),
+                &CommitIdentity::new(format!("bench-backfill-{run}"), seq),
+            )
+            .await?;
+            seq += 1;
+        }
+    }
+    if !b.is_empty() {
+        let batch = b.finish()?;
+        lake.append(
+            LakeTable::Events,
+            std::slice::from_ref(&batch),
+            &CommitIdentity::new(format!("bench-backfill-{run}"), seq),
+        )
+        .await?;
+    }
+    println!(
+        "landed {events} events in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok((start, end))
+}
+
+fn backfill_request(
+    spec: &JobSpec,
+    namespace: &str,
+    range: (i64, i64),
+    slice: Duration,
+) -> BackfillRequest {
+    BackfillRequest {
+        job: spec.name.clone(),
+        job_version: spec.version,
+        namespace: namespace.to_string(),
+        from_us: range.0,
+        to_us: range.1,
+        slice,
+        key_group_splits: 1,
+        budgets: Budgets::default(),
+        created_by: "bench".into(),
+    }
+}
+
+/// Backfill throughput over landed events with no live traffic, against DataFusion
+/// computing the same GROUP BY over the same Parquet files in the same run; peak RSS.
+pub async fn backfill(
+    lake: Lake,
+    config: &LakeConfig,
+    job: &Path,
+    events: u64,
+    events_per_sec: u64,
+    slice: Duration,
+    runs: usize,
+) -> Result<()> {
+    let signalweave_lake::Warehouse::Local { .. } = &config.warehouse else {
+        anyhow::bail!(
+            "bench backfill compares with DataFusion on local Parquet files: use an embedded lake"
+        );
+    };
+    let spec = spec(job, None)?;
+    let range = land_history(&lake, events, events_per_sec).await?;
+    let (_, rss_before) = proc_usage().unwrap_or_default();
+    let mut bf_secs = Vec::new();
+    let mut records = 0;
+    for _ in 0..runs.max(1) {
+        let namespace = format!("bench_{}", crate::bench::uuid_like());
+        backfill::create(
+            &lake,
+            &spec,
+            &backfill_request(&spec, &namespace, range, slice),
+        )
+        .await?;
+        let options = RunOptions::default();
+        let progress = Arc::clone(&options.progress);
+        let t = Instant::now();
+        let record = backfill::run(&lake, Arc::clone(&spec), &namespace, options).await?;
+        bf_secs.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(record.state == "completed", "backfill {}", record.state);
+        records = progress.lock().map(|p| p.records).unwrap_or(0);
+    }
+    let (_, rss_after) = proc_usage().unwrap_or_default();
+    // DataFusion: the job's GROUP BY (per market and minute, count and sum by event type)
+    // straight over the Parquet files, with and without the dedup by (tenant, event_id).
+    let files: Vec<String> = lake
+        .current_data_files(LakeTable::Events)
+        .await?
+        .into_iter()
+        .collect();
+    let ctx = datafusion::prelude::SessionContext::new();
+    let mut parts = Vec::new();
+    for (i, f) in files.iter().enumerate() {
+        ctx.register_parquet(
+            &format!("f{i}"),
+            f,
+            datafusion::prelude::ParquetReadOptions::default(),
+        )
+        .await?;
+        parts.push(format!("SELECT * FROM f{i}"));
+    }
+    ctx.sql(&format!(
+        "CREATE VIEW direct AS {}",
+        parts.join(" UNION ALL ")
+    ))
+    .await?
+    .collect()
+    .await?;
+    let types = spec
+        .source
+        .event_types
+        .iter()
+        .map(|t| format!("'{t}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let aggs = spec
+        .aggregates
+        .iter()
+        .map(|a| {
+            let filter = a
+                .event_type
+                .as_deref()
+                .map(|t| format!(" FILTER (WHERE event_type = '{t}')"))
+                .unwrap_or_default();
+            match (&a.function, &a.column) {
+                (signalweave_window::AggregateFunction::Count, _) => format!("count(*){filter}"),
+                (f, Some(c)) => format!("{}({c}){filter}", format!("{f:?}").to_lowercase()),
+                (f, None) => format!("{}(1){filter}", format!("{f:?}").to_lowercase()),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let key = spec.key.columns.join(", ");
+    let window = spec.window.span_us();
+    let predicate = format!(
+        "event_time >= to_timestamp_micros({}) AND event_time < to_timestamp_micros({}) AND event_type IN ({types})",
+        range.0, range.1
+    );
+    let group = |source: &str| {
+        format!(
+            "SELECT {key}, date_bin(INTERVAL '{window} microseconds', event_time) AS w, count(*) AS events, {aggs} \
+             FROM {source} GROUP BY {key}, w"
+        )
+    };
+    let plain = group(&format!("(SELECT * FROM direct WHERE {predicate})"));
+    let dedup = group(&format!(
+        "(SELECT DISTINCT tenant, event_id, {key}, event_type, event_time, amount_minor FROM direct WHERE {predicate})"
+    ));
+    let timed = |sql: String| {
+        let ctx = ctx.clone();
+        async move {
+            let mut secs = Vec::new();
+            let mut rows = 0;
+            for _ in 0..runs.max(1) {
+                let t = Instant::now();
+                let out = ctx.sql(&sql).await?.collect().await?;
+                secs.push(t.elapsed().as_secs_f64());
+                rows = out.iter().map(|b| b.num_rows()).sum::<usize>();
+            }
+            anyhow::Ok((crate::bench::median(secs), rows))
+        }
+    };
+    let (df_plain, plain_rows) = timed(plain).await?;
+    let (df_dedup, _) = timed(dedup).await?;
+    let bf = crate::bench::median(bf_secs);
+    println!(
+        "backfill ({}, slice {}): {records} records in {bf:.2} s = {:.0} records/s; \
+         peak RSS {} MiB (before the backfill {} MiB)",
+        spec.name,
+        humantime::format_duration(slice),
+        records as f64 / bf,
+        rss_after / 1_048_576,
+        rss_before / 1_048_576,
+    );
+    println!(
+        "DataFusion GROUP BY over the same {} Parquet files: {df_plain:.2} s ({plain_rows} groups), \
+         with dedup {df_dedup:.2} s",
+        files.len()
+    );
+    println!(
+        "ratio backfill / DataFusion (throughput): {:.2} (with dedup: {:.2}); target >= 0.8",
+        df_plain / bf,
+        df_dedup / bf
+    );
+    Ok(())
+}
+
+/// Reclaim latency: a backfill runs at full speed while a simulated live job's queue age
+/// crosses its guard every `period` (and clears half a period later); the time from each
+/// crossing to the backfill at its floor is measured.
+pub async fn reclaim(
+    lake: Lake,
+    job: &Path,
+    events: u64,
+    crossings: usize,
+    floor: u32,
+) -> Result<()> {
+    let spec = spec(job, None)?;
+    let range = land_history(&lake, events, 100).await?;
+    let namespace = format!("reclaim_{}", crate::bench::uuid_like());
+    let mut request = backfill_request(&spec, &namespace, range, Duration::from_secs(3600));
+    request.budgets.floor_records_per_sec = floor;
+    backfill::create(&lake, &spec, &request).await?;
+    let reading = Arc::new(std::sync::Mutex::new(GuardReading::from_statuses(&[])));
+    let probe: backfill::GuardProbe = {
+        let reading = Arc::clone(&reading);
+        Arc::new(move || {
+            let r = reading.lock().map(|r| *r).ok();
+            Box::pin(async move { r })
+        })
+    };
+    let options = RunOptions {
+        probe,
+        guards: Guards {
+            clear_hold: Duration::from_millis(300),
+            step_every: Duration::from_millis(100),
+            ..Guards::default()
+        },
+        ..RunOptions::default()
+    };
+    let metrics = Arc::clone(&options.metrics);
+    let running = tokio::spawn({
+        let (lake, spec, namespace) = (lake.clone(), Arc::clone(&spec), namespace.clone());
+        async move { backfill::run(&lake, spec, &namespace, options).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for _ in 0..crossings {
+        if running.is_finished() {
+            break;
+        }
+        if let Ok(mut r) = reading.lock() {
+            *r = GuardReading {
+                at: Instant::now(),
+                queue_age_s: 10.0,
+                ..GuardReading::from_statuses(&[])
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        if let Ok(mut r) = reading.lock() {
+            *r = GuardReading::from_statuses(&[]);
+        }
+        // Clear long enough to borrow back to full speed.
+        tokio::time::sleep(Duration::from_millis(1_300)).await;
+    }
+    backfill::steer(&lake, &spec.name, &namespace, "abort")
+        .await
+        .ok();
+    let _ = running.await;
+    let mut samples = metrics
+        .reclaim_samples
+        .lock()
+        .map(|s| s.clone())
+        .unwrap_or_default();
+    samples.sort_by(f64::total_cmp);
+    anyhow::ensure!(!samples.is_empty(), "no reclaim was measured");
+    let q = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize] * 1000.0;
+    println!(
+        "reclaim latency (guard crossed -> backfill at its floor of {floor} records/s), {} crossings: \
+         p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; target p99 <= 1000 ms",
+        samples.len(),
+        q(0.5),
+        q(0.99),
+        q(1.0)
+    );
     Ok(())
 }

@@ -887,6 +887,19 @@ impl Lake {
         to_us: i64,
         snapshot_id: Option<i64>,
     ) -> Result<ScanPlan> {
+        self.plan_time_range_of(table, from_us, to_us, snapshot_id, None)
+            .await
+    }
+
+    /// [`Lake::plan_time_range`] reading only `columns` (None: all).
+    pub async fn plan_time_range_of(
+        &self,
+        table: LakeTable,
+        from_us: i64,
+        to_us: i64,
+        snapshot_id: Option<i64>,
+        columns: Option<&[String]>,
+    ) -> Result<ScanPlan> {
         let t = self.table(table).await?;
         let column = table.time_column();
         let predicate = Reference::new(column)
@@ -914,10 +927,14 @@ impl Lake {
             .get("total-data-files")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let scan = t
+        let mut scan = t
             .scan()
             .snapshot_id(snapshot.snapshot_id())
-            .with_filter(predicate)
+            .with_filter(predicate);
+        if let Some(columns) = columns {
+            scan = scan.select(columns.iter().cloned());
+        }
+        let scan = scan
             .build()
             .map_err(|e| LakeError::iceberg("plan range scan", e))?;
         let tasks: Vec<FileScanTask> = scan

@@ -830,6 +830,8 @@ pub struct RunOptions {
     pub progress: SharedProgress,
     /// A fault drill (tests).
     pub fault: Option<BackfillFault>,
+    /// Sub-ranges processed at once (each on its own task, with its own memory).
+    pub parallelism: usize,
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -850,6 +852,7 @@ impl Default for RunOptions {
             metrics: Arc::new(BackfillMetrics::new()),
             progress: SharedProgress::default(),
             fault: None,
+            parallelism: 2,
         }
     }
 }
@@ -916,6 +919,17 @@ pub async fn run(
             ),
         ));
     }
+    // The live watermark at each arrival, from the pinned snapshot's file statistics.
+    let arrivals = Arc::new(
+        lake.arrival_watermarks(
+            LakeTable::Events,
+            record.snapshot_id,
+            &spec.time.event_time_column,
+            ARRIVAL_COLUMN,
+            signalweave_window::micros(spec.time.max_out_of_orderness),
+        )
+        .await?,
+    );
     let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
     if !store
         .acquire(&spec.name, namespace, &runner, LEASE_STALE)
@@ -961,6 +975,7 @@ pub async fn run(
         stop_rx,
     ));
     let backfill = Running {
+        arrivals,
         lake: lake.clone(),
         spec,
         store: store.clone(),
@@ -1064,16 +1079,12 @@ async fn background(
                 tracing::warn!(error = %e, "could not record a backfill decision");
             }
         }
-        for latency in throttle.reclaim_latencies().iter().skip(
-            m.reclaim_seen
-                .load(Ordering::Relaxed)
-                .try_into()
-                .unwrap_or(usize::MAX),
-        ) {
-            m.reclaim_seconds
-                .get_or_create(&labels)
-                .observe(latency.as_secs_f64());
-            m.reclaim_seen.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut samples) = m.reclaim_samples.lock() {
+            for latency in throttle.reclaim_latencies().iter().skip(samples.len()) {
+                let secs = latency.as_secs_f64();
+                m.reclaim_seconds.get_or_create(&labels).observe(secs);
+                samples.push(secs);
+            }
         }
         if last_heartbeat.elapsed() >= Duration::from_millis(500) {
             last_heartbeat = Instant::now();
@@ -1096,8 +1107,10 @@ async fn background(
     }
 }
 
+#[derive(Clone)]
 struct Running {
     lake: Lake,
+    arrivals: Arc<signalweave_lake::ArrivalWatermarks>,
     spec: Arc<JobSpec>,
     store: BackfillStore,
     record: BackfillRecord,
@@ -1173,43 +1186,72 @@ impl Running {
             p.preemptions = self.record.preemptions;
         }
         self.state("running").await?;
-        let output = self.record.output_table(&self.spec)?;
-        for sub in subranges.iter().filter(|s| s.state != "done") {
-            if !self.obey().await? {
-                return Ok("aborted");
+        let mut pending = subranges.into_iter().filter(|s| s.state != "done");
+        let mut running = tokio::task::JoinSet::new();
+        let mut aborted = false;
+        loop {
+            while !aborted && running.len() < self.options.parallelism.max(1) {
+                let Some(sub) = pending.next() else { break };
+                if !self.obey().await? {
+                    aborted = true;
+                    break;
+                }
+                let me = self.clone();
+                running.spawn(async move { me.run_one(sub).await });
             }
-            let started = Instant::now();
-            let Some(mut out) = self.process(sub).await? else {
-                return Ok("aborted");
+            let Some(joined) = running.join_next().await else {
+                break;
             };
-            out.figures.seconds = started.elapsed().as_secs_f64();
-            self.throttle.admit_rows(out.rows.len() as u64).await;
-            let out_snapshot = self.commit(output, sub, &out).await?;
-            if self.options.fault == Some(BackfillFault { seq: sub.seq }) {
-                eprintln!(
-                    "fault drill: stopping after the commit of sub-range {}",
-                    sub.seq
-                );
-                std::process::abort();
+            let done = joined.map_err(|e| {
+                RunnerError::new(ErrorKind::Internal, format!("a sub-range task failed: {e}"))
+            });
+            match done {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => aborted = true,
+                Ok(Err(e)) | Err(e) => {
+                    running.abort_all();
+                    return Err(e);
+                }
             }
-            self.store.subrange_done(job, ns, &out.figures).await?;
-            if let Some(s) = out_snapshot {
-                self.lake
-                    .hold_snapshot(output, &self.record.holder(), s)
-                    .await?;
-            }
-            let m = &self.options.metrics;
-            m.subranges_done.get_or_create(&self.labels).inc();
-            m.rows_written
-                .get_or_create(&self.labels)
-                .inc_by(out.rows.len() as u64);
-            if let Ok(mut p) = self.options.progress.lock() {
-                p.done += 1;
-                p.rows_written += out.rows.len() as u64;
-            }
-            tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, "backfill sub-range done");
         }
-        Ok("completed")
+        Ok(if aborted { "aborted" } else { "completed" })
+    }
+
+    /// Processes and commits one sub-range; false when aborted meanwhile.
+    async fn run_one(&self, sub: SubRange) -> Result<bool> {
+        let (job, ns) = (&self.record.job, &self.record.namespace);
+        let output = self.record.output_table(&self.spec)?;
+        let started = Instant::now();
+        let Some(mut out) = self.process(&sub).await? else {
+            return Ok(false);
+        };
+        out.figures.seconds = started.elapsed().as_secs_f64();
+        self.throttle.admit_rows(out.rows.len() as u64).await;
+        let out_snapshot = self.commit(output, &sub, &out).await?;
+        if self.options.fault == Some(BackfillFault { seq: sub.seq }) {
+            eprintln!(
+                "fault drill: stopping after the commit of sub-range {}",
+                sub.seq
+            );
+            std::process::abort();
+        }
+        self.store.subrange_done(job, ns, &out.figures).await?;
+        if let Some(s) = out_snapshot {
+            self.lake
+                .hold_snapshot(output, &self.record.holder(), s)
+                .await?;
+        }
+        let m = &self.options.metrics;
+        m.subranges_done.get_or_create(&self.labels).inc();
+        m.rows_written
+            .get_or_create(&self.labels)
+            .inc_by(out.rows.len() as u64);
+        if let Ok(mut p) = self.options.progress.lock() {
+            p.done += 1;
+            p.rows_written += out.rows.len() as u64;
+        }
+        tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, "backfill sub-range done");
+        Ok(true)
     }
 
     /// Reads and processes one sub-range; None when aborted meanwhile.
@@ -1223,25 +1265,23 @@ impl Running {
             },
         )?;
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
-        let plan = self
-            .lake
-            .plan_time_range(
-                LakeTable::Events,
-                sub.from_us - self.record.lead_in_us,
-                sub.to_us,
-                self.record.snapshot_id,
-            )
-            .await?;
-        let arrivals = self
-            .lake
-            .arrival_watermarks(
-                LakeTable::Events,
-                self.record.snapshot_id,
-                &self.spec.time.event_time_column,
-                ARRIVAL_COLUMN,
-                signalweave_window::micros(self.spec.time.max_out_of_orderness),
-            )
-            .await?;
+        // A backfill planned on an empty landing table has no input.
+        let tasks = match self.record.snapshot_id {
+            None => Vec::new(),
+            Some(_) => {
+                self.lake
+                    .plan_time_range_of(
+                        LakeTable::Events,
+                        sub.from_us - self.record.lead_in_us,
+                        sub.to_us,
+                        self.record.snapshot_id,
+                        Some(&source_columns(&self.spec)),
+                    )
+                    .await?
+                    .tasks
+            }
+        };
+        let arrivals = &self.arrivals;
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
@@ -1249,7 +1289,7 @@ impl Running {
         let m = &self.options.metrics;
         let records_counter = m.records.get_or_create(&self.labels).clone();
         let bytes_counter = m.bytes_read.get_or_create(&self.labels).clone();
-        for task in plan.tasks {
+        for task in tasks {
             let bytes = task.length;
             let sequence = arrivals.sequence_of(&task.data_file_path);
             self.throttle.admit_bytes(bytes).await;
@@ -1281,7 +1321,7 @@ impl Running {
                         RunnerError::new(ErrorKind::Internal, format!("key-group filter: {e}"))
                     })?
                 };
-                let batch = with_arrival_watermark(&batch, &arrivals, sequence)?;
+                let batch = with_arrival_watermark(&batch, arrivals, sequence)?;
                 let outcome = engine.process_batch(&batch, "events", BACKFILL_PROC_TIME)?;
                 figures.duplicates += outcome.duplicates;
                 if outcome.late.is_empty() {
@@ -1382,6 +1422,30 @@ impl Running {
         }
         Ok(snapshot)
     }
+}
+
+/// The landing-table columns a backfill of `spec` reads: the engine's, the arrival time,
+/// and those of a late record.
+fn source_columns(spec: &JobSpec) -> Vec<String> {
+    let mut columns: Vec<String> = [
+        "tenant",
+        "event_id",
+        "event_type",
+        ARRIVAL_COLUMN,
+        "amount_minor",
+        "currency",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    columns.push(spec.time.event_time_column.clone());
+    columns.extend(spec.key.columns.iter().cloned());
+    columns.extend(spec.dedup.identity.iter().cloned());
+    columns.extend(spec.time.input_column.iter().cloned());
+    columns.extend(spec.aggregates.iter().filter_map(|a| a.column.clone()));
+    columns.sort();
+    columns.dedup();
+    columns
 }
 
 /// `batch` with the live watermark at each record's arrival ([`ROW_WATERMARK`]).

@@ -215,8 +215,8 @@ pub struct BackfillMetrics {
     pub guard_seconds: Family<Labels, Gauge<f64, AtomicU64>>,
     /// Reclaim latency: guard crossed to the backfill at its floor, seconds.
     pub reclaim_seconds: HistogramFamily,
-    /// Reclaim latencies already observed (internal bookkeeping).
-    pub reclaim_seen: AtomicU64,
+    /// Every reclaim latency observed, seconds (for percentiles beyond the buckets).
+    pub reclaim_samples: Mutex<Vec<f64>>,
 }
 
 impl Default for BackfillMetrics {
@@ -240,7 +240,7 @@ impl BackfillMetrics {
             reclaim_seconds: HistogramFamily::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
-            reclaim_seen: AtomicU64::new(0),
+            reclaim_samples: Mutex::new(Vec::new()),
             registry: Registry::default(),
         };
         registry.register("records", "Records read", m.records.clone());
