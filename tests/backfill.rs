@@ -373,3 +373,132 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     let again = backfill_cmd(&lake, "rollback", "fix_lateness");
     assert_eq!(again.status.code(), Some(2), "{again:?}");
 }
+
+/// The worst live queue age in `/v1/status`.
+fn live_queue_age(base: &str) -> Option<f64> {
+    let statuses: Vec<Value> = serde_json::from_str(&get(&format!("{base}/v1/status"))?).ok()?;
+    statuses
+        .iter()
+        .filter_map(|s| s["oldest_unprocessed_age_s"].as_f64())
+        .reduce(f64::max)
+}
+
+fn metric_value(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_live_burst_takes_the_backfills_capacity_back_and_it_returns_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed_history(dir.path());
+    let (gw_port, serve_port, metrics_port) = (
+        support::free_port(),
+        support::free_port(),
+        support::free_port(),
+    );
+    let gateway = format!("http://127.0.0.1:{gw_port}");
+    let base = format!("http://127.0.0.1:{serve_port}");
+    let up = Proc::spawn({
+        let mut c = sw(&lake);
+        // A live job that polls every 400 ms: each commit of the burst waits up to that
+        // long, which crosses the backfill's 200 ms queue-age guard; without traffic there
+        // is no queue.
+        c.args(["up", "--job", "jobs/market_aggregates.toml"])
+            .args(["--poll-interval", "400ms"])
+            .args(["--gateway-listen", &format!("127.0.0.1:{gw_port}")])
+            .args(["--serve-listen", &format!("127.0.0.1:{serve_port}")]);
+        c
+    });
+    up.wait_log("signalweave up:", Duration::from_secs(60));
+    // A slow backfill (1,500 records/s: about 15 s for the range) that pauses under load.
+    let guard = 0.2;
+    let backfill = Proc::spawn({
+        let mut c = start(
+            &lake,
+            "yielding",
+            &[
+                "--records-per-sec",
+                "1500",
+                "--floor-records-per-sec",
+                "0",
+                "--live-status",
+                &format!("{base}/v1/status"),
+                "--guard-queue-age",
+                "200ms",
+                "--clear-hold",
+                "2s",
+                "--metrics-addr",
+                &format!("127.0.0.1:{metrics_port}"),
+            ],
+        );
+        c.env("SIGNALWEAVE_LOG", "signalweave_runner=info");
+        c
+    });
+    let metrics = || get(&format!("http://127.0.0.1:{metrics_port}/metrics")).unwrap_or_default();
+    wait_until("the backfill to read", Duration::from_secs(30), || {
+        metric_value(&metrics(), "signalweave_backfill_records_total") > 0.0
+    });
+    // The burst: 15,000 events/s for 4 s into the live path.
+    let burst = std::thread::spawn({
+        let lake = lake.clone();
+        move || {
+            sw(&lake)
+                .args(["produce", "--url", &gateway, "--rate", "15000"])
+                .args(["--duration", "4s", "--producer-id", "burst"])
+                .output()
+                .unwrap()
+        }
+    });
+    let started = Instant::now();
+    let mut worst_age = 0.0f64;
+    let mut reclaimed_at = None;
+    while started.elapsed() < Duration::from_secs(12) {
+        if let Some(age) = live_queue_age(&base) {
+            worst_age = worst_age.max(age);
+        }
+        let m = metrics();
+        if reclaimed_at.is_none()
+            && metric_value(&m, "signalweave_backfill_decisions_total{") > 0.0
+            && m.lines().any(|l| l.contains("action=\"reclaim\""))
+        {
+            reclaimed_at = Some(started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(burst.join().unwrap());
+    let log = backfill.log();
+    assert!(
+        reclaimed_at.is_some(),
+        "the burst never crossed the guard: worst queue age {worst_age:.2} s\n{log}"
+    );
+    assert!(
+        log.contains("backfill budget decision")
+            && log.contains("reclaim")
+            && log.contains("cause"),
+        "the decision and its cause are logged: {log}"
+    );
+    // The live job's queue age crossed the guard (that is what reclaims), and stayed
+    // within its service objective (5 s) while the backfill was paused.
+    assert!(
+        worst_age > guard && worst_age < 5.0,
+        "live queue age peaked at {worst_age:.2} s (guard {guard} s)"
+    );
+    // Capacity comes back, and the backfill completes.
+    let mut child = backfill.child;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(Instant::now() < deadline, "the backfill never finished");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(code, Some(0));
+    let s = status(&lake, "yielding");
+    assert_eq!(s["backfill"]["state"], "completed", "{s}");
+    assert!(s["backfill"]["preemptions"].as_u64().unwrap() >= 1, "{s}");
+    up.terminate();
+}

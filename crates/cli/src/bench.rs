@@ -165,6 +165,9 @@ pub enum BenchCommand {
         /// The backfill's floor, records/s (0: pause).
         #[arg(long, default_value_t = 1000)]
         floor: u32,
+        /// The backfill's ceiling, records/s (so that it outlasts the crossings).
+        #[arg(long, default_value_t = 200_000)]
+        records_per_sec: u32,
         /// The job.
         #[arg(long, default_value = "jobs/market_aggregates.toml")]
         job: std::path::PathBuf,
@@ -291,9 +294,18 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             events,
             crossings,
             floor,
+            records_per_sec,
             job,
         } => {
-            return crate::bench_live::reclaim(lake, job, *events, *crossings, *floor).await;
+            return crate::bench_live::reclaim(
+                lake,
+                job,
+                *events,
+                *crossings,
+                *floor,
+                *records_per_sec,
+            )
+            .await;
         }
         BenchCommand::Freshness {
             rate,

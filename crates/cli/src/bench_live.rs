@@ -527,12 +527,14 @@ pub async fn reclaim(
     events: u64,
     crossings: usize,
     floor: u32,
+    ceiling: u32,
 ) -> Result<()> {
     let spec = spec(job, None)?;
     let range = land_history(&lake, events, 100).await?;
     let namespace = format!("reclaim_{}", crate::bench::uuid_like());
     let mut request = backfill_request(&spec, &namespace, range, Duration::from_secs(3600));
     request.budgets.floor_records_per_sec = floor;
+    request.budgets.records_per_sec = Some(ceiling);
     backfill::create(&lake, &spec, &request).await?;
     let reading = Arc::new(std::sync::Mutex::new(GuardReading::from_statuses(&[])));
     let probe: backfill::GuardProbe = {
@@ -588,7 +590,7 @@ pub async fn reclaim(
     anyhow::ensure!(!samples.is_empty(), "no reclaim was measured");
     let q = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize] * 1000.0;
     println!(
-        "reclaim latency (guard crossed -> backfill at its floor of {floor} records/s), {} crossings: \
+        "reclaim latency (guard crossed -> backfill at its floor of {floor} records/s, from {ceiling}), {} crossings: \
          p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; target p99 <= 1000 ms",
         samples.len(),
         q(0.5),

@@ -87,7 +87,8 @@ pub struct GuardReading {
 }
 
 impl GuardReading {
-    /// The worst values over the `live` namespace jobs of `statuses`.
+    /// The worst values over the `live` namespace jobs of `statuses` (the watermark delay
+    /// only of jobs with records waiting).
     pub fn from_statuses<'a>(statuses: impl IntoIterator<Item = &'a JobStatus>) -> Self {
         let mut r = Self {
             at: Instant::now(),
@@ -98,7 +99,11 @@ impl GuardReading {
         };
         for s in statuses.into_iter().filter(|s| s.namespace == "live") {
             r.queue_age_s = r.queue_age_s.max(s.oldest_unprocessed_age_s);
-            r.watermark_delay_s = r.watermark_delay_s.max(s.watermark_delay_s);
+            // An idle live job's watermark stands still: its delay matters only while
+            // records wait.
+            if s.lag_records > 0 || s.oldest_unprocessed_age_s > 0.0 {
+                r.watermark_delay_s = r.watermark_delay_s.max(s.watermark_delay_s);
+            }
             r.checkpoint_age_s = r.checkpoint_age_s.max(s.checkpoint_age_s);
             r.sink_commit_s = r.sink_commit_s.max(s.sink_commit_s);
         }
@@ -341,21 +346,25 @@ impl Throttle {
     }
 
     /// Sets the records rate. `crossed_at` (a reclaim) starts the reclaim-latency clock,
-    /// stopped by the first admission under the new rate.
+    /// stopped by the backfill's next budget request under the new rate (at once for a
+    /// pause).
     pub fn set_rate(&self, rate: Option<u32>, crossed_at: Option<Instant>) {
         if let Ok(mut r) = self.records.lock() {
             r.rate = rate;
             r.limiter = rate.and_then(|n| bucket(u64::from(n))).map(Arc::new);
             r.generation += 1;
+            // A crossing not yet met by an admission stays pending (the earliest one), so
+            // a backfill busy elsewhere when it came is measured when it next asks.
+            let pending = r.crossed_at.or(crossed_at);
             r.crossed_at = None;
-            match (rate, crossed_at) {
+            match (rate, pending) {
                 // A pause is in force at once: nothing is admitted from here on.
                 (Some(0), Some(crossed)) => {
                     if let Ok(mut l) = self.reclaim_latencies.lock() {
                         l.push(crossed.elapsed());
                     }
                 }
-                (_, crossed) => r.crossed_at = crossed,
+                (_, pending) => r.crossed_at = pending,
             }
         }
         self.changed.notify_waiters();
@@ -408,8 +417,19 @@ impl Throttle {
         }
     }
 
+    /// Stops the reclaim-latency clock at a budget request other than records.
+    fn met(&self) {
+        if let Ok(mut r) = self.records.lock()
+            && let Some(crossed) = r.crossed_at.take()
+            && let Ok(mut l) = self.reclaim_latencies.lock()
+        {
+            l.push(crossed.elapsed());
+        }
+    }
+
     /// Admits `n` bytes read.
     pub async fn admit_bytes(&self, n: u64) {
+        self.met();
         if let Some((l, burst)) = &self.bytes {
             take(l, *burst, n).await;
         }
@@ -417,6 +437,7 @@ impl Throttle {
 
     /// Admits `n` rows written.
     pub async fn admit_rows(&self, n: u64) {
+        self.met();
         if let Some((l, burst)) = &self.rows {
             take(l, *burst, n).await;
         }

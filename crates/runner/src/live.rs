@@ -196,6 +196,10 @@ pub struct LiveJob {
     last_checkpoint: Instant,
     last_probe: Instant,
     max_event_time: i64,
+    /// How long the oldest commit read by the last step that read had waited when it was
+    /// read, µs, and when (reported for a second).
+    waited_us: i64,
+    waited_at: Instant,
     freshness: Freshness,
     metrics: Arc<RunnerMetrics>,
     status: SharedStatus,
@@ -258,6 +262,8 @@ impl LiveJob {
             last_checkpoint: Instant::now(),
             last_probe: Instant::now(),
             max_event_time: i64::MIN,
+            waited_us: 0,
+            waited_at: Instant::now(),
             metrics,
             status,
             labels,
@@ -413,6 +419,8 @@ impl LiveJob {
             .await?;
         if plan.upto != self.position {
             let read_at = now_us();
+            self.waited_us = plan.commit_ms.first().map_or(0, |ms| read_at - ms * 1000);
+            self.waited_at = Instant::now();
             let committed_at = plan.commit_ms.last().copied().unwrap_or_default() * 1000;
             let key_columns = self.spec.key.columns.clone();
             let mut stream = self.lake.read(LakeTable::Events, plan.tasks).await?;
@@ -751,10 +759,18 @@ impl LiveJob {
                 .get_or_create(&self.labels)
                 .set(b.records as i64);
             m.lag_bytes.get_or_create(&self.labels).set(b.bytes as i64);
+            // The queue age: the oldest commit still waiting, or, when the step caught
+            // up, how long the oldest commit it read had waited (a gauge sampled only
+            // after reading would never show a wait).
             let oldest = b
                 .oldest_commit_ms
                 .map(|ms| secs(now - ms * 1000))
-                .unwrap_or(0.0);
+                .unwrap_or(0.0)
+                .max(if self.waited_at.elapsed() < Duration::from_secs(1) {
+                    secs(self.waited_us)
+                } else {
+                    0.0
+                });
             m.oldest_unprocessed_age_seconds
                 .get_or_create(&self.labels)
                 .set(oldest);
