@@ -322,6 +322,7 @@ async fn land_history(lake: &Lake, events: u64, events_per_sec: u64) -> Result<(
     let t = Instant::now();
     let mut b = signalweave_model::EventBatchBuilder::with_capacity(1_000_000);
     let mut seq = 0u64;
+    let identity = |seq: u64| CommitIdentity::new(format!("bench-backfill-{run}"), seq);
     for r in signalweave_fixtures::Generator::new(spec) {
         let (signalweave_fixtures::Record::Event(mut e)
         | signalweave_fixtures::Record::Duplicate(mut e)) = r
@@ -331,24 +332,14 @@ async fn land_history(lake: &Lake, events: u64, events_per_sec: u64) -> Result<(
         e.ingest_time_us = e.event_time_us + 1_000_000;
         b.push(&e);
         if b.len() >= 1_000_000 {
-            let batch = b.finish()?;
-            lake.append(
-                LakeTable::Events,
-                std::slice::from_ref(&batch),
-                &CommitIdentity::new(format!("bench-backfill-{run}"), seq),
-            )
-            .await?;
+            lake.append(LakeTable::Events, &[b.finish()?], &identity(seq))
+                .await?;
             seq += 1;
         }
     }
     if !b.is_empty() {
-        let batch = b.finish()?;
-        lake.append(
-            LakeTable::Events,
-            std::slice::from_ref(&batch),
-            &CommitIdentity::new(format!("bench-backfill-{run}"), seq),
-        )
-        .await?;
+        lake.append(LakeTable::Events, &[b.finish()?], &identity(seq))
+            .await?;
     }
     println!(
         "landed {events} events in {:.1} s",
@@ -589,6 +580,16 @@ pub async fn reclaim(
     samples.sort_by(f64::total_cmp);
     anyhow::ensure!(!samples.is_empty(), "no reclaim was measured");
     let q = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize] * 1000.0;
+    let rendered = metrics.render();
+    let reclaims: f64 = rendered
+        .lines()
+        .filter(|l| l.starts_with("signalweave_backfill_decisions_total") && l.contains("reclaim"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    println!(
+        "{reclaims} reclaim decisions, {} latencies measured",
+        samples.len()
+    );
     println!(
         "reclaim latency (guard crossed -> backfill at its floor of {floor} records/s, from {ceiling}), {} crossings: \
          p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; target p99 <= 1000 ms",

@@ -15,14 +15,13 @@
 //! many commits and a new sequence number: it contributes only after its last arrival, so
 //! around compacted data the recovered watermark can differ from the live one.
 
-use futures::{StreamExt, TryStreamExt, stream};
-use iceberg::spec::{DataContentType, ManifestContentType, PrimitiveLiteral};
+use iceberg::spec::{DataContentType, PrimitiveLiteral};
 use signalweave_model::ErrorKind;
 
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
 use crate::layout::LakeTable;
-use crate::maintain::current_manifests;
+use crate::maintain::data_manifests;
 
 /// The reader's watermark as a function of arrival time (see the module documentation).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -130,21 +129,7 @@ impl Lake {
             })
         };
         let (event_id, arrival_id) = (field(event_column)?, field(arrival_column)?);
-        let manifests: Vec<_> = current_manifests(&base, &snapshot)
-            .await?
-            .into_iter()
-            .filter(|m| m.content == ManifestContentType::Data)
-            .collect();
-        let io = base.file_io().clone();
-        let loaded: Vec<_> = stream::iter(manifests)
-            .map(|m| {
-                let io = io.clone();
-                async move { m.load_manifest(&io).await }
-            })
-            .buffered(8)
-            .try_collect()
-            .await
-            .map_err(|e| LakeError::iceberg("read manifest", e))?;
+        let loaded = data_manifests(&base, &snapshot).await?;
         let mut files = Vec::new();
         for manifest in &loaded {
             for e in manifest.entries().iter().filter(|e| e.is_alive()) {

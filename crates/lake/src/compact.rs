@@ -8,7 +8,6 @@
 use std::collections::{HashMap, HashSet};
 
 use arrow_array::RecordBatch;
-use futures::{StreamExt, TryStreamExt, stream};
 use iceberg::scan::FileScanTask;
 use iceberg::spec::{
     DataContentType, DataFile, ManifestContentType, ManifestFile, ManifestListWriter,
@@ -23,7 +22,7 @@ use crate::lake::{
     CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake, on_table_schema, whole_file_task,
 };
 use crate::layout::LakeTable;
-use crate::maintain::current_manifests;
+use crate::maintain::{current_manifests, data_manifests};
 
 /// What [`Lake::compact`] does.
 #[derive(Debug, Clone)]
@@ -116,21 +115,7 @@ impl Lake {
         let Some(current) = md.current_snapshot() else {
             return Ok(report);
         };
-        let manifests: Vec<ManifestFile> = current_manifests(&base, current)
-            .await?
-            .into_iter()
-            .filter(|m| m.content == ManifestContentType::Data)
-            .collect();
-        let io = base.file_io().clone();
-        let loaded: Vec<_> = stream::iter(manifests)
-            .map(|m| {
-                let io = io.clone();
-                async move { m.load_manifest(&io).await }
-            })
-            .buffered(8)
-            .try_collect()
-            .await
-            .map_err(ice("read manifest"))?;
+        let loaded = data_manifests(&base, current).await?;
         let mut by_day: HashMap<Option<i32>, Vec<DataFile>> = HashMap::new();
         for manifest in &loaded {
             for e in manifest.entries().iter().filter(|e| e.is_alive()) {

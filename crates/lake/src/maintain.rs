@@ -169,6 +169,28 @@ pub(crate) async fn current_manifests(
         .collect())
 }
 
+/// The data manifests listed by `snapshot` of `base`, loaded (8 at a time).
+pub(crate) async fn data_manifests(
+    base: &Table,
+    snapshot: &iceberg::spec::SnapshotRef,
+) -> Result<Vec<iceberg::spec::Manifest>> {
+    let manifests: Vec<ManifestFile> = current_manifests(base, snapshot)
+        .await?
+        .into_iter()
+        .filter(|m| m.content == iceberg::spec::ManifestContentType::Data)
+        .collect();
+    let io = base.file_io().clone();
+    futures::stream::iter(manifests)
+        .map(|m| {
+            let io = io.clone();
+            async move { m.load_manifest(&io).await }
+        })
+        .buffered(8)
+        .try_collect()
+        .await
+        .map_err(ice("read manifest"))
+}
+
 /// What maintenance has read of immutable manifest lists and manifests, by path: a pass
 /// reads only the files new since the last one. Bounded: cleared past a size.
 #[derive(Debug, Default)]

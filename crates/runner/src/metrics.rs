@@ -186,11 +186,7 @@ impl RunnerMetrics {
 
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        render(&self.registry)
     }
 }
 
@@ -284,12 +280,16 @@ impl BackfillMetrics {
 
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        render(&self.registry)
     }
+}
+
+fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    if encode(&mut out, registry).is_err() {
+        out.clear();
+    }
+    out
 }
 
 /// A job's status for people: `signalweave status`, the demo's live view, `/v1/status`.

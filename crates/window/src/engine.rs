@@ -202,6 +202,23 @@ struct Columns<'a> {
     row_watermark: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
 }
 
+/// A multi-column key of `row` into `buf`: the values joined with `|`, each escaped, so
+/// ("a|b", "c") and ("a", "b|c") stay different keys.
+fn join_key(keys: &[&StringArray], row: usize, buf: &mut String) {
+    buf.clear();
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            buf.push('|');
+        }
+        for ch in k.value(row).chars() {
+            if ch == '|' || ch == '\\' {
+                buf.push('\\');
+            }
+            buf.push(ch);
+        }
+    }
+}
+
 /// The engine. See the module docs.
 #[derive(Debug)]
 pub struct WindowEngine {
@@ -361,18 +378,7 @@ impl WindowEngine {
                 if keys.len() == 1 {
                     return Some(self.key_group_of(keys[0].value(row)));
                 }
-                buf.clear();
-                for (i, k) in keys.iter().enumerate() {
-                    if i > 0 {
-                        buf.push('|');
-                    }
-                    for ch in k.value(row).chars() {
-                        if ch == '|' || ch == '\\' {
-                            buf.push('\\');
-                        }
-                        buf.push(ch);
-                    }
-                }
+                join_key(&keys, row, &mut buf);
                 Some(self.key_group_of(&buf))
             })
             .collect())
@@ -548,19 +554,7 @@ impl WindowEngine {
                 self.intern(k)
             } else {
                 let mut buf = std::mem::take(&mut self.key_buf);
-                buf.clear();
-                for (i, k) in cols.keys.iter().enumerate() {
-                    if i > 0 {
-                        buf.push('|');
-                    }
-                    // Escaped, so ("a|b", "c") and ("a", "b|c") stay different keys.
-                    for ch in k.value(row).chars() {
-                        if ch == '|' || ch == '\\' {
-                            buf.push('\\');
-                        }
-                        buf.push(ch);
-                    }
-                }
+                join_key(&cols.keys, row, &mut buf);
                 let id = self.intern(&buf);
                 self.key_buf = buf;
                 id
