@@ -583,7 +583,10 @@ pub async fn reclaim(
     let rendered = metrics.render();
     let reclaims: f64 = rendered
         .lines()
-        .filter(|l| l.starts_with("signalweave_backfill_decisions_total") && l.contains("reclaim"))
+        .filter(|l| {
+            l.starts_with("signalweave_backfill_decisions_total")
+                && l.contains("action=\"reclaim\"")
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     println!(

@@ -1014,8 +1014,8 @@ pub async fn run(
     Ok(record)
 }
 
-/// The controller and the lease, beside the run: reads the guards every `probe_every`,
-/// applies decisions, and renews the lease (reading the operator's wish) every 500 ms.
+/// The controller and the lease, beside the run: reads the guards every `probe_every` and
+/// applies decisions; renews the lease (reading the operator's wish) every 500 ms.
 #[allow(clippy::too_many_arguments)]
 async fn background(
     store: BackfillStore,
@@ -1028,7 +1028,31 @@ async fn background(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut controller = Controller::new(options.guards, record.budgets);
-    let mut last_heartbeat = Instant::now();
+    // The lease and the operator's wish, every 500 ms, in a task of their own.
+    let heartbeat = {
+        let (store, record, runner) = (store.clone(), record.clone(), runner.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                match store
+                    .heartbeat(&record.job, &record.namespace, &runner)
+                    .await
+                {
+                    Ok(Some(desired)) => control.store(
+                        match desired.as_str() {
+                            "pause" => PAUSE,
+                            "abort" => ABORT,
+                            _ => RUN,
+                        },
+                        Ordering::Relaxed,
+                    ),
+                    Ok(None) => control.store(LOST, Ordering::Relaxed),
+                    Err(e) => tracing::warn!(error = %e, "backfill heartbeat failed"),
+                }
+            }
+        })
+    };
+    let _heartbeat = AbortOnDrop(heartbeat);
     let m = &options.metrics;
     let rate_gauge = |rate: Option<u32>| rate.map_or(-1, i64::from);
     m.rate_limit
@@ -1072,12 +1096,22 @@ async fn background(
                 p.last_decision = Some(text.clone());
                 p.preemptions += u64::from(preemption);
             }
-            if let Err(e) = store
-                .record_decision(&record.job, &record.namespace, preemption, &text, d.rate)
-                .await
-            {
-                tracing::warn!(error = %e, "could not record a backfill decision");
-            }
+            // Recorded beside the loop: a busy catalog database must not delay the next
+            // reading of the guards.
+            let (store, job, ns, rate) = (
+                store.clone(),
+                record.job.clone(),
+                record.namespace.clone(),
+                d.rate,
+            );
+            tokio::spawn(async move {
+                if let Err(e) = store
+                    .record_decision(&job, &ns, preemption, &text, rate)
+                    .await
+                {
+                    tracing::warn!(error = %e, "could not record a backfill decision");
+                }
+            });
         }
         if let Ok(mut samples) = m.reclaim_samples.lock() {
             for latency in throttle.reclaim_latencies().iter().skip(samples.len()) {
@@ -1086,24 +1120,15 @@ async fn background(
                 samples.push(secs);
             }
         }
-        if last_heartbeat.elapsed() >= Duration::from_millis(500) {
-            last_heartbeat = Instant::now();
-            match store
-                .heartbeat(&record.job, &record.namespace, &runner)
-                .await
-            {
-                Ok(Some(desired)) => control.store(
-                    match desired.as_str() {
-                        "pause" => PAUSE,
-                        "abort" => ABORT,
-                        _ => RUN,
-                    },
-                    Ordering::Relaxed,
-                ),
-                Ok(None) => control.store(LOST, Ordering::Relaxed),
-                Err(e) => tracing::warn!(error = %e, "backfill heartbeat failed"),
-            }
-        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

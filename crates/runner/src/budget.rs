@@ -277,9 +277,16 @@ impl Controller {
     }
 }
 
-fn bucket(per_sec: u64) -> Option<DefaultDirectRateLimiter> {
+/// A token bucket of `per_sec` holding at most a tenth of a second of tokens, and starting
+/// empty: a new rate never comes with a free burst (the controller changes rates often).
+/// Returns it with its burst.
+fn bucket(per_sec: u64) -> Option<(DefaultDirectRateLimiter, u32)> {
     let per_sec = NonZeroU32::new(u32::try_from(per_sec).unwrap_or(u32::MAX))?;
-    Some(RateLimiter::direct(Quota::per_second(per_sec)))
+    let burst = NonZeroU32::new((per_sec.get() / 10).max(1))?;
+    let limiter = RateLimiter::direct(Quota::per_second(per_sec).allow_burst(burst));
+    // Cannot fail: the burst fits.
+    let _ = limiter.check_n(burst);
+    Some((limiter, burst.get()))
 }
 
 /// Waits for `n` tokens of `limiter`, in pieces no larger than its burst.
@@ -296,7 +303,7 @@ async fn take(limiter: &DefaultDirectRateLimiter, burst: u32, mut n: u64) {
 
 struct RecordsBucket {
     rate: Option<u32>,
-    limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    limiter: Option<(Arc<DefaultDirectRateLimiter>, u32)>,
     generation: u64,
     crossed_at: Option<Instant>,
 }
@@ -322,7 +329,7 @@ impl Throttle {
     /// Buckets for `budgets`, at full speed.
     pub fn new(budgets: &Budgets) -> Self {
         let limited = |per_sec: Option<u64>| {
-            per_sec.and_then(|r| bucket(r).map(|l| (l, u32::try_from(r).unwrap_or(u32::MAX))))
+            per_sec.and_then(bucket)
         };
         let t = Self {
             records: Mutex::new(RecordsBucket {
@@ -351,7 +358,9 @@ impl Throttle {
     pub fn set_rate(&self, rate: Option<u32>, crossed_at: Option<Instant>) {
         if let Ok(mut r) = self.records.lock() {
             r.rate = rate;
-            r.limiter = rate.and_then(|n| bucket(u64::from(n))).map(Arc::new);
+            r.limiter = rate
+                .and_then(|n| bucket(u64::from(n)))
+                .map(|(l, burst)| (Arc::new(l), burst));
             r.generation += 1;
             // A crossing not yet met by an admission stays pending (the earliest one), so
             // a backfill busy elsewhere when it came is measured when it next asks.
@@ -409,7 +418,7 @@ impl Throttle {
                     let piece = n.min(u64::from((rate / 10).max(1)));
                     let changed = self.changed.notified();
                     tokio::select! {
-                        _ = take(&limiter, rate, piece) => n -= piece,
+                        _ = take(&limiter.0, limiter.1, piece) => n -= piece,
                         _ = changed => {}
                     }
                 }
@@ -528,6 +537,23 @@ mod tests {
         let later = t0 + Duration::from_secs(6);
         let d = c.observe(Some(&reading(t0, 0.0)), later).expect("reclaim");
         assert!(d.cause.contains("old"), "{}", d.cause);
+    }
+
+    #[tokio::test]
+    async fn a_new_rate_comes_without_a_free_burst() {
+        let t = Throttle::new(&Budgets {
+            records_per_sec: Some(10_000),
+            ..Budgets::default()
+        });
+        let start = Instant::now();
+        t.admit_records(3_000).await;
+        t.set_rate(Some(10_000), None);
+        t.admit_records(3_000).await;
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(550),
+            "6,000 records at 10,000/s took {took:?}"
+        );
     }
 
     #[tokio::test]
