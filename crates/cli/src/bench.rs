@@ -150,6 +150,9 @@ pub enum BenchCommand {
         /// Runs of each side (medians).
         #[arg(long, default_value_t = 1)]
         runs: usize,
+        /// Sub-ranges at once.
+        #[arg(long, default_value_t = 2)]
+        parallelism: usize,
         /// The job.
         #[arg(long, default_value = "jobs/market_aggregates.toml")]
         job: std::path::PathBuf,
@@ -277,6 +280,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             events_per_sec,
             slice,
             runs,
+            parallelism,
             job,
         } => {
             return crate::bench_live::backfill(
@@ -287,6 +291,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 *events_per_sec,
                 *slice,
                 *runs,
+                *parallelism,
             )
             .await;
         }

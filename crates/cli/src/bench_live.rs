@@ -369,6 +369,7 @@ fn backfill_request(
 
 /// Backfill throughput over landed events with no live traffic, against DataFusion
 /// computing the same GROUP BY over the same Parquet files in the same run; peak RSS.
+#[allow(clippy::too_many_arguments)]
 pub async fn backfill(
     lake: Lake,
     config: &LakeConfig,
@@ -377,6 +378,7 @@ pub async fn backfill(
     events_per_sec: u64,
     slice: Duration,
     runs: usize,
+    parallelism: usize,
 ) -> Result<()> {
     let signalweave_lake::Warehouse::Local { .. } = &config.warehouse else {
         anyhow::bail!(
@@ -396,7 +398,10 @@ pub async fn backfill(
             &backfill_request(&spec, &namespace, range, slice),
         )
         .await?;
-        let options = RunOptions::default();
+        let options = RunOptions {
+            parallelism,
+            ..RunOptions::default()
+        };
         let progress = Arc::clone(&options.progress);
         let t = Instant::now();
         let record = backfill::run(&lake, Arc::clone(&spec), &namespace, options).await?;
@@ -488,7 +493,7 @@ pub async fn backfill(
     let (df_dedup, _) = timed(dedup).await?;
     let bf = crate::bench::median(bf_secs);
     println!(
-        "backfill ({}, slice {}): {records} records in {bf:.2} s = {:.0} records/s; \
+        "backfill ({}, slice {}, {parallelism} at a time): {records} records in {bf:.2} s = {:.0} records/s; \
          peak RSS {} MiB (before the backfill {} MiB)",
         spec.name,
         humantime::format_duration(slice),

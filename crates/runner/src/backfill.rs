@@ -1290,6 +1290,9 @@ impl Running {
             },
         )?;
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
+        // The plan's count is of whole files (an upper bound): capped, so a slice of a few
+        // huge files does not reserve more than it can use.
+        engine.reserve(sub.planned_records.min(16_000_000) as usize);
         // A backfill planned on an empty landing table has no input.
         let tasks = match self.record.snapshot_id {
             None => Vec::new(),

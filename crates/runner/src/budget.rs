@@ -328,9 +328,7 @@ impl std::fmt::Debug for Throttle {
 impl Throttle {
     /// Buckets for `budgets`, at full speed.
     pub fn new(budgets: &Budgets) -> Self {
-        let limited = |per_sec: Option<u64>| {
-            per_sec.and_then(bucket)
-        };
+        let limited = |per_sec: Option<u64>| per_sec.and_then(bucket);
         let t = Self {
             records: Mutex::new(RecordsBucket {
                 rate: None,

@@ -348,6 +348,12 @@ impl WindowEngine {
         &self.watermarks
     }
 
+    /// Makes room for the dedup identities of about `records` more records (a backfill
+    /// knows how many it will read; growing the table as it goes rehashes it repeatedly).
+    pub fn reserve(&mut self, records: usize) {
+        self.dedup.reserve(records);
+    }
+
     /// The end of the latest window a record at event time `t` belongs to, µs: its pane's
     /// newest window for tumbling and sliding windows, `t + gap` (its own session extent)
     /// for sessions. A record is beyond allowed lateness once the watermark reaches this
