@@ -14,7 +14,9 @@
 //!
 //! A sub-range `[a, b)` owns the windows whose end is in `(a, b]`, and, when `b` is the
 //! range's end, the windows crossing it, marked `partial` (they count only the events
-//! before `to`; never silently truncated). It reads the events of its key groups from
+//! before `to`; never silently truncated). So are the windows the input's watermark (the
+//! largest event time of the pinned snapshot, minus the out-of-orderness bound) has not
+//! passed: records may still come for them. It reads the events of its key groups from
 //! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions,
 //! which may have started that long before) makes the first windows complete.
 //!
@@ -1385,6 +1387,9 @@ impl Running {
         }
         let generated_at = chrono::Utc::now().timestamp_micros();
         let last = sub.to_us == self.record.to_us;
+        // The input's watermark: a window it has not passed may still gain records (in the
+        // live job, later); it is as partial as one crossing the range's end.
+        let input_watermark = self.arrivals.at(i64::MAX, i64::MAX);
         let rows: Vec<OutputRow> = engine
             .finish(BACKFILL_PROC_TIME)
             .into_iter()
@@ -1394,12 +1399,13 @@ impl Running {
                 owned || crossing_end
             })
             .map(|mut r| {
-                r.completeness = if r.window_end > self.record.to_us {
-                    Completeness::Partial
-                } else {
-                    Completeness::OnTime
-                };
-                r.watermark = sub.to_us;
+                r.completeness =
+                    if r.window_end > self.record.to_us || r.window_end > input_watermark {
+                        Completeness::Partial
+                    } else {
+                        Completeness::OnTime
+                    };
+                r.watermark = sub.to_us.min(input_watermark);
                 r.emitted_at = generated_at;
                 r
             })

@@ -307,29 +307,35 @@ pub async fn promote(
             ),
         ));
     }
-    // Windows crossing the range's end are partial: the promotion stops at the first.
-    let window = spec.window.span_us();
-    let to_us = match spec.window {
-        signalweave_window::WindowSpec::Session { .. } => record.to_us,
-        _ => {
-            let slide = match spec.window {
-                signalweave_window::WindowSpec::Sliding { slide, .. } => {
-                    signalweave_window::micros(slide)
-                }
-                _ => window,
-            };
-            // The last start whose window ends by `to`, plus one slide.
-            let last = (record.to_us - window).div_euclid(slide) * slide;
-            (last + slide).min(record.to_us)
-        }
-    };
+    // Partial windows (crossing the range's end, or beyond the input's watermark) are not
+    // authoritative: the promotion stops at the first.
+    let ns_table = record.output_table(spec)?;
+    lake.ensure_output_table(ns_table).await?;
+    let first_partial = lake
+        .session_context()
+        .await?
+        .sql(&format!(
+            "SELECT min(arrow_cast(window_start, 'Int64')) AS s FROM {} WHERE completeness = 'partial'",
+            ns_table.name()
+        ))
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?
+        .collect()
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?
+        .first()
+        .and_then(|b| {
+            let c = b.column(0).as_primitive_opt::<arrow::datatypes::Int64Type>()?;
+            (!c.is_empty() && !c.is_null(0)).then(|| c.value(0))
+        });
+    let to_us = first_partial.map_or(record.to_us, |p| p.min(record.to_us));
     let live_table = output_table(live, "live")?;
     let promotion = Promotion {
         job: record.job.clone(),
         namespace: record.namespace.clone(),
         job_version: record.job_version,
         live_table: live_table.name().to_string(),
-        table: record.output_table(spec)?.name().to_string(),
+        table: ns_table.name().to_string(),
         from_us: record.from_us,
         to_us,
         promoted_by: by.to_string(),
