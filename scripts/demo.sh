@@ -13,7 +13,9 @@ mkdir -p lake
 "$SW" fixtures generate --out lake/demo.ndjson --expected lake/demo.expected.json \
   --events 200000 --events-per-sec 5 --dup-fraction 0.01 --late-fraction 0.01 --invalid-fraction 0.005
 "$SW" lake init
-"$SW" load lake/demo.ndjson
+# In commits of 5,000 records: the live job reads them in that order, so events sent late
+# (minutes to 3 h behind) arrive after later ones, as they would live.
+"$SW" load lake/demo.ndjson --chunk-records 5000
 "$SW" sql "SELECT market_id, event_type, count(*) AS events, sum(amount_minor) AS amount_minor
            FROM signalweave.events
            WHERE event_time >= TIMESTAMP '2026-01-01T00:00:00Z' AND event_time < TIMESTAMP '2026-01-02T00:00:00Z'
@@ -27,3 +29,12 @@ echo "== live: gateway + live job + serving on the same lake, a producer with la
 "$SW" demo --duration "${SW_DEMO_DURATION:-60s}" --rate "${SW_DEMO_RATE:-2000}"
 "$SW" sql "SELECT key, window_start, output_version, completeness, placed_count, placed_amount_minor
            FROM signalweave.market_aggregates_current ORDER BY window_start DESC, key LIMIT 10"
+
+echo "== backfill: job version 2 (4 h of allowed lateness instead of 2 h) over the loaded day,"
+echo "   into a namespace of its own; then what it would change in the live outputs"
+NS="demo_v2_$(date +%s)"
+"$SW" backfill start --job market_aggregates --job-version 2 --namespace "$NS" \
+  --from 2026-01-01T00:00:00Z --to 2026-01-02T00:00:00Z
+"$SW" backfill status --job market_aggregates --namespace "$NS"
+"$SW" backfill compare --job market_aggregates --namespace "$NS" --limit 5
+echo "(promote it with: $SW backfill promote --job market_aggregates --namespace $NS)"
