@@ -510,17 +510,7 @@ fn a_live_burst_takes_the_backfills_capacity_back_and_it_returns_after() {
 
 #[test]
 fn backfills_run_on_s3_with_sqlite_and_postgresql_catalogs() {
-    let backends: Vec<_> = support::backends()
-        .into_iter()
-        .filter(|b| b.name != "embedded")
-        .collect();
-    if backends.is_empty() {
-        eprintln!("skipped: SW_S3_ENDPOINT not set (minio/garage-up.sh)");
-        return;
-    }
-    for b in backends {
-        let lake = b.dir.path().join("profile.toml");
-        std::fs::write(&lake, support::s3_profile(&b.config)).unwrap();
+    for (b, lake) in support::s3_backends() {
         land_history_in(&lake, b.dir.path(), 8_000);
         // Killed after a sub-range's commit, then resumed: the lease and the progress rows
         // live in this catalog database.

@@ -375,17 +375,7 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
 /// recount, and a kill -9 after the sink commit rolls forward without a second version.
 #[test]
 fn the_live_job_runs_on_s3_with_sqlite_and_postgresql_catalogs() {
-    let backends: Vec<_> = support::backends()
-        .into_iter()
-        .filter(|b| b.name != "embedded")
-        .collect();
-    if backends.is_empty() {
-        eprintln!("skipped: SW_S3_ENDPOINT not set (minio/garage-up.sh)");
-        return;
-    }
-    for b in backends {
-        let path = b.dir.path().join("profile.toml");
-        std::fs::write(&path, support::s3_profile(&b.config)).unwrap();
+    for (b, path) in support::s3_backends() {
         let job = strict_job(b.dir.path());
         load_fixture(&path);
         let crashed = run_caught_up(&path, &job, Some("after_sink_commit@2"));

@@ -194,3 +194,22 @@ pub fn s3_profile(c: &LakeConfig) -> String {
         s3.secret_access_key
     )
 }
+
+/// The S3 backends available here, each with its lake profile written to
+/// `<dir>/profile.toml` (the path to pass as `--lake`). Empty, with a note, when Garage is
+/// not running (and `SW_REQUIRE_SERVICES` is not set).
+pub fn s3_backends() -> Vec<(Backend, PathBuf)> {
+    let out: Vec<_> = backends()
+        .into_iter()
+        .filter(|b| b.name != "embedded")
+        .map(|b| {
+            let path = b.dir.path().join("profile.toml");
+            std::fs::write(&path, s3_profile(&b.config)).unwrap();
+            (b, path)
+        })
+        .collect();
+    if out.is_empty() {
+        eprintln!("skipped: SW_S3_ENDPOINT not set (minio/garage-up.sh)");
+    }
+    out
+}

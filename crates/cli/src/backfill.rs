@@ -470,21 +470,15 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
             run_here(&lake, spec, &a.namespace, &a.run).await
         }
         BackfillCommand::Resume(a) => {
-            let record =
-                compare::backfill_record(&lake, &a.target.job, &a.target.namespace).await?;
-            if record.finished() {
-                print_record(&record)?;
-                bail_conflict(format!("the backfill is {} already", record.state))?;
-            }
+            // Refused (a conflict) when the backfill is finished.
+            let record = backfill::steer(&lake, &a.target.job, &a.target.namespace, "run").await?;
             if backfill::has_live_runner(&record, LEASE_STALE) {
-                backfill::steer(&lake, &record.job, &record.namespace, "run").await?;
                 outln!(
                     "resume asked of the running process ({})",
                     record.runner.as_deref().unwrap_or("?")
                 )?;
                 return Ok(ExitCode::SUCCESS);
             }
-            backfill::steer(&lake, &record.job, &record.namespace, "run").await?;
             let spec = find_spec(&a.run.jobs_dir, &record.job, Some(record.job_version))?;
             run_here(&lake, spec, &record.namespace, &a.run).await
         }
@@ -560,13 +554,6 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
-}
-
-fn bail_conflict(message: String) -> Result<()> {
-    Err(
-        signalweave_runner::RunnerError::new(signalweave_model::ErrorKind::Conflict, message)
-            .into(),
-    )
 }
 
 fn print_comparison(format: Format, c: &compare::Comparison) -> Result<()> {
@@ -674,6 +661,7 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
     };
     let mut rows = Vec::new();
     let mut json = Vec::new();
+    let mut last_subs = Vec::new();
     for r in &records {
         let subs = store.subranges(&r.job, &r.namespace).await?;
         let done = subs.iter().filter(|s| s.state == "done").count();
@@ -721,6 +709,7 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
             "records_per_sec": rate,
             "eta_lower_bound_s": eta,
         }));
+        last_subs = subs;
     }
     if a.format == Format::Json {
         outln!("{}", serde_json::to_string_pretty(&json)?)?;
@@ -744,10 +733,10 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
         ],
         rows,
     )?;
-    if let [r] = records.as_slice()
+    if let [_] = records.as_slice()
         && a.namespace.is_some()
     {
-        let subs = store.subranges(&r.job, &r.namespace).await?;
+        let subs = last_subs;
         print_rows(
             a.format,
             &[

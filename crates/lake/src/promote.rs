@@ -67,7 +67,9 @@ pub fn authoritative(promotions: &[Promotion], window_start_us: i64) -> &str {
 }
 
 impl Lake {
-    fn ph(&self, sql: &str) -> String {
+    /// `sql` with the control database's placeholders: `$n` as written for PostgreSQL,
+    /// `?` for SQLite.
+    pub fn control_sql(&self, sql: &str) -> String {
         if self.config().is_sqlite() {
             sql.replace('$', "?")
         } else {
@@ -93,7 +95,7 @@ impl Lake {
     /// Every promotion of `job` (None: of every job), active or rolled back, in promotion
     /// order.
     pub async fn promotions(&self, job: Option<&str>) -> Result<Vec<Promotion>> {
-        let sql = self.ph(
+        let sql = self.control_sql(
             "SELECT job, namespace, job_version, live_table, namespace_table, from_us, to_us, promoted_by, promoted_ms, \
              rolled_back_by, rolled_back_ms FROM sw_promotions WHERE catalog_name = $1 \
              AND ($2 = '' OR job = $3) ORDER BY promoted_ms, namespace",
@@ -165,7 +167,7 @@ impl Lake {
                 ),
             ));
         }
-        let sql = self.ph(
+        let sql = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -207,7 +209,7 @@ impl Lake {
             ));
         };
         let now = chrono::Utc::now().timestamp_millis();
-        let sql = self.ph(
+        let sql = self.control_sql(
             "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2 \
              WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND promoted_ms = $6 \
              AND rolled_back_ms IS NULL",

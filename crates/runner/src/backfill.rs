@@ -59,7 +59,7 @@ use signalweave_window::{
 };
 use sqlx::Row;
 
-use crate::budget::{Budgets, Controller, GuardReading, Guards, Throttle};
+use crate::budget::{Budgets, Controller, GuardReading, Guards, Operator, Throttle};
 use crate::error::{Result, RunnerError};
 use crate::late::{self, LateEvent};
 use crate::live::{SUMMARY_JOB, SUMMARY_NAMESPACE, backfill_output_table};
@@ -209,7 +209,6 @@ fn now_ms() -> i64 {
 #[derive(Debug, Clone)]
 pub struct BackfillStore {
     lake: Lake,
-    sqlite: bool,
 }
 
 const RECORD_COLUMNS: &str = "job, namespace, job_version, from_us, to_us, lead_in_us, \
@@ -219,10 +218,7 @@ const RECORD_COLUMNS: &str = "job, namespace, job_version, from_us, to_us, lead_
 impl BackfillStore {
     /// Opens the store, creating its tables where missing.
     pub async fn open(lake: Lake) -> Result<Self> {
-        let store = Self {
-            sqlite: lake.config().is_sqlite(),
-            lake,
-        };
+        let store = Self { lake };
         for ddl in [
             "CREATE TABLE IF NOT EXISTS sw_backfills (catalog_name VARCHAR(255) NOT NULL, \
              job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, job_version BIGINT NOT NULL, \
@@ -249,11 +245,7 @@ impl BackfillStore {
     }
 
     fn q(&self, sql: &str) -> String {
-        if self.sqlite {
-            sql.replace('$', "?")
-        } else {
-            sql.to_string()
-        }
+        self.lake.control_sql(sql)
     }
 
     fn catalog(&self) -> &str {
@@ -1033,22 +1025,44 @@ async fn background(
     // The lease and the operator's wish, every 500 ms, in a task of their own.
     let heartbeat = {
         let (store, record, runner) = (store.clone(), record.clone(), runner.clone());
+        let throttle = Arc::clone(&throttle);
+        let progress = Arc::clone(&options.progress);
         tokio::spawn(async move {
+            let mut paused = false;
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 match store
                     .heartbeat(&record.job, &record.namespace, &runner)
                     .await
                 {
-                    Ok(Some(desired)) => control.store(
-                        match desired.as_str() {
-                            "pause" => PAUSE,
-                            "abort" => ABORT,
-                            _ => RUN,
-                        },
-                        Ordering::Relaxed,
-                    ),
-                    Ok(None) => control.store(LOST, Ordering::Relaxed),
+                    Ok(Some(desired)) => {
+                        let (wish, operator) = match desired.as_str() {
+                            "pause" => (PAUSE, Operator::Hold),
+                            "abort" => (ABORT, Operator::Stop),
+                            _ => (RUN, Operator::Run),
+                        };
+                        control.store(wish, Ordering::Relaxed);
+                        // Also in force mid-batch: a waiting admission holds or fails.
+                        throttle.set_operator(operator);
+                        if (wish == PAUSE) != paused && wish != ABORT {
+                            paused = wish == PAUSE;
+                            let state = if paused { "paused" } else { "running" };
+                            tracing::info!(job = %record.job, namespace = %record.namespace, "backfill {state}");
+                            if let Ok(mut p) = progress.lock() {
+                                p.state = state.to_string();
+                            }
+                            if let Err(e) = store
+                                .set_state(&record.job, &record.namespace, state, None)
+                                .await
+                            {
+                                tracing::warn!(error = %e, "could not record the backfill's state");
+                            }
+                        }
+                    }
+                    Ok(None) => {
+                        control.store(LOST, Ordering::Relaxed);
+                        throttle.set_operator(Operator::Stop);
+                    }
                     Err(e) => tracing::warn!(error = %e, "backfill heartbeat failed"),
                 }
             }
@@ -1161,16 +1175,9 @@ impl Running {
 
     /// Obeys the operator between batches: returns Ok(false) on abort, waits while paused.
     async fn obey(&self) -> Result<bool> {
-        let mut paused = false;
         loop {
             match self.control.load(Ordering::Relaxed) {
-                RUN => {
-                    if paused {
-                        tracing::info!(job = %self.record.job, namespace = %self.record.namespace, "backfill resumed");
-                        self.state("running").await?;
-                    }
-                    return Ok(true);
-                }
+                RUN => return Ok(true),
                 ABORT => return Ok(false),
                 LOST => {
                     return Err(RunnerError::new(
@@ -1178,14 +1185,8 @@ impl Running {
                         "the backfill's lease was taken by another process",
                     ));
                 }
-                _ => {
-                    if !paused {
-                        paused = true;
-                        tracing::info!(job = %self.record.job, namespace = %self.record.namespace, "backfill paused");
-                        self.state("paused").await?;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
+                // Paused: the heartbeat reports it, and holds admissions mid-batch.
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
     }
@@ -1333,7 +1334,11 @@ impl Running {
                     return Ok(None);
                 }
                 let n = batch.num_rows() as u64;
-                self.throttle.admit_records(n).await;
+                if !self.throttle.admit_records(n).await {
+                    // Stopped: an abort, or a lost lease (an error).
+                    self.obey().await?;
+                    return Ok(None);
+                }
                 figures.records += n;
                 records_counter.inc_by(n);
                 if let Ok(mut p) = self.options.progress.lock() {

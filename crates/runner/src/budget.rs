@@ -301,7 +301,19 @@ async fn take(limiter: &DefaultDirectRateLimiter, burst: u32, mut n: u64) {
     }
 }
 
+/// What the operator wants of a running backfill's admissions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operator {
+    /// Admit at the rate in force.
+    Run,
+    /// Admit nothing until told otherwise (pause).
+    Hold,
+    /// Admit nothing, ever: fail every admission (abort).
+    Stop,
+}
+
 struct RecordsBucket {
+    operator: Operator,
     rate: Option<u32>,
     limiter: Option<(Arc<DefaultDirectRateLimiter>, u32)>,
     generation: u64,
@@ -331,6 +343,7 @@ impl Throttle {
         let limited = |per_sec: Option<u64>| per_sec.and_then(bucket);
         let t = Self {
             records: Mutex::new(RecordsBucket {
+                operator: Operator::Run,
                 rate: None,
                 limiter: None,
                 generation: 0,
@@ -385,33 +398,27 @@ impl Throttle {
             .unwrap_or_default()
     }
 
-    /// Admits `n` records: waits for their tokens at the rate in force; while paused,
-    /// waits for a rate. A rate change while waiting applies to the rest of `n`.
-    pub async fn admit_records(&self, mut n: u64) {
+    /// Admits `n` records: waits for their tokens at the rate in force; while paused or
+    /// held, waits. A change while waiting applies to the rest of `n`. Returns false when
+    /// the operator stops the backfill.
+    pub async fn admit_records(&self, mut n: u64) -> bool {
         while n > 0 {
-            let (limiter, rate, generation) = {
+            let (limiter, rate, generation, operator) = {
                 let Ok(mut r) = self.records.lock() else {
-                    return;
+                    return true;
                 };
-                if let Some(crossed) = r.crossed_at.take()
+                if r.operator == Operator::Run
+                    && let Some(crossed) = r.crossed_at.take()
                     && let Ok(mut l) = self.reclaim_latencies.lock()
                 {
                     l.push(crossed.elapsed());
                 }
-                (r.limiter.clone(), r.rate, r.generation)
+                (r.limiter.clone(), r.rate, r.generation, r.operator)
             };
-            match (rate, limiter) {
-                (None, _) => return,
-                (Some(0), _) | (Some(_), None) => {
-                    let changed = self.changed.notified();
-                    tokio::pin!(changed);
-                    changed.as_mut().enable();
-                    if self.records.lock().map(|r| r.generation).unwrap_or(0) != generation {
-                        continue;
-                    }
-                    changed.await;
-                }
-                (Some(rate), Some(limiter)) => {
+            match (operator, rate, limiter) {
+                (Operator::Stop, _, _) => return false,
+                (Operator::Run, None, _) => return true,
+                (Operator::Run, Some(rate), Some(limiter)) if rate > 0 => {
                     // Small pieces, so that a lower rate applies within a fraction of a second.
                     let piece = n.min(u64::from((rate / 10).max(1)));
                     let changed = self.changed.notified();
@@ -420,8 +427,31 @@ impl Throttle {
                         _ = changed => {}
                     }
                 }
+                // Held by the operator, or paused by the controller: wait for a change.
+                _ => {
+                    let changed = self.changed.notified();
+                    tokio::pin!(changed);
+                    changed.as_mut().enable();
+                    if self.records.lock().map(|r| r.generation).unwrap_or(0) != generation {
+                        continue;
+                    }
+                    changed.await;
+                }
             }
         }
+        true
+    }
+
+    /// What the operator wants of admissions: [`Operator::Hold`] makes them wait (a pause
+    /// in force within one piece, even mid-batch), [`Operator::Stop`] fails them (abort).
+    pub fn set_operator(&self, operator: Operator) {
+        if let Ok(mut r) = self.records.lock()
+            && r.operator != operator
+        {
+            r.operator = operator;
+            r.generation += 1;
+        }
+        self.changed.notify_waiters();
     }
 
     /// Stops the reclaim-latency clock at a budget request other than records.
@@ -535,6 +565,28 @@ mod tests {
         let later = t0 + Duration::from_secs(6);
         let d = c.observe(Some(&reading(t0, 0.0)), later).expect("reclaim");
         assert!(d.cause.contains("old"), "{}", d.cause);
+    }
+
+    #[tokio::test]
+    async fn the_operator_holds_and_stops_admissions_mid_batch() {
+        let t = Arc::new(Throttle::new(&Budgets {
+            records_per_sec: Some(1_000),
+            ..Budgets::default()
+        }));
+        let batch = {
+            let t = Arc::clone(&t);
+            tokio::spawn(async move { t.admit_records(8_192).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        t.set_operator(Operator::Hold);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!batch.is_finished(), "held");
+        t.set_operator(Operator::Stop);
+        let admitted = tokio::time::timeout(Duration::from_secs(1), batch)
+            .await
+            .expect("a stop is in force at once")
+            .expect("join");
+        assert!(!admitted, "a stopped admission fails");
     }
 
     #[tokio::test]

@@ -158,14 +158,12 @@ pub struct CheckpointStore {
     lake: Lake,
     job: String,
     namespace: String,
-    sqlite: bool,
 }
 
 impl CheckpointStore {
     /// The store of `job` in `namespace`. Creates the control tables where missing.
     pub async fn open(lake: Lake, job: &str, namespace: &str) -> Result<Self> {
         let store = Self {
-            sqlite: lake.config().is_sqlite(),
             lake,
             job: job.to_string(),
             namespace: namespace.to_string(),
@@ -194,11 +192,7 @@ impl CheckpointStore {
 
     /// `$n` placeholders for PostgreSQL, `?n` for SQLite.
     fn q(&self, sql: &str) -> String {
-        if self.sqlite {
-            sql.replace('$', "?")
-        } else {
-            sql.to_string()
-        }
+        self.lake.control_sql(sql)
     }
 
     fn catalog(&self) -> &str {
