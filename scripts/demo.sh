@@ -38,3 +38,12 @@ NS="demo_v2_$(date +%s)"
 "$SW" backfill status --job market_aggregates --namespace "$NS"
 "$SW" backfill compare --job market_aggregates --namespace "$NS" --limit 5
 echo "(promote it with: $SW backfill promote --job market_aggregates --namespace $NS)"
+echo "== audit: every window of the loaded day recomputed by an independent SQL oracle, every"
+echo "   event accounted for (counted, duplicate, late, rejected); report in lake/report-live/"
+"$SW" reconcile --job market_aggregates --from 2026-01-01T00:00:00Z --to 2026-01-02T00:00:00Z \
+  --out lake/report-live
+echo "   and the version-2 backfill's namespace, before any promotion: lake/report-$NS/"
+"$SW" reconcile --job market_aggregates --namespace "$NS" \
+  --from 2026-01-01T00:00:00Z --to 2026-01-02T00:00:00Z --out "lake/report-$NS"
+echo "== capacity: the reference design's model (fixtures/slo-sheet.toml)"
+"$SW" plan --sheet fixtures/slo-sheet.toml

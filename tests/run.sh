@@ -8,6 +8,8 @@
 # - PostgreSQL (catalog): Debian's package (installed with apt-get if missing), started on
 #   127.0.0.1:5433 by minio/postgres-up.sh.
 # - PyIceberg and PyArrow (interop test): pip, from tests/interop/requirements.txt.
+# - Chromium (the reconciliation report is rendered headless): Debian's package, installed
+#   with apt-get if missing.
 #
 # SW_REQUIRE_SERVICES=1 makes any test whose service is missing fail rather than skip.
 set -euo pipefail
@@ -17,6 +19,11 @@ export CARGO_TERM_COLOR=never
 
 if ! command -v curl >/dev/null 2>&1 || ! command -v runuser >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl util-linux
+fi
+
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "== chromium for the report rendering test"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
 
 echo "== python packages for the interop test"

@@ -211,7 +211,7 @@ fn who(by: &Option<String>) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn parse_time(name: &str, s: &str) -> Result<i64> {
+pub fn parse_time(name: &str, s: &str) -> Result<i64> {
     let t = chrono::DateTime::parse_from_rfc3339(s).map_err(|e| {
         signalweave_runner::RunnerError::new(
             signalweave_model::ErrorKind::InvalidInput,

@@ -5,6 +5,7 @@
 //! library crates. Exit codes: 0 success, 1 a command ran and found a problem, 2 bad
 //! usage or input, 3 a dependency (catalog, object store) was unavailable, 4 internal.
 
+mod audit;
 mod backfill;
 mod bench;
 mod bench_live;
@@ -113,6 +114,13 @@ enum Command {
     /// token budgets live traffic takes back; compare, promote, roll back.
     #[command(subcommand)]
     Backfill(backfill::BackfillCommand),
+    /// Reconcile a job's outputs with an independent SQL oracle over the landing table:
+    /// every window recomputed, every event accounted for; writes report.html, .json and
+    /// .md. Exit 0 on a match, 1 otherwise.
+    Reconcile(audit::ReconcileArgs),
+    /// The capacity model of a sheet (freshness ledger, backlogs, bytes, state, backfill
+    /// bounds), optionally with figures measured by a running `signalweave up`.
+    Plan(audit::PlanArgs),
     /// Run a benchmark (release builds only give meaningful figures).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -717,6 +725,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let lake = open_lake(&cli).await?;
             return backfill::run(lake, cmd).await;
         }
+        Command::Reconcile(args) => {
+            let lake = open_lake(&cli).await?;
+            return audit::reconcile(lake, args).await;
+        }
+        Command::Plan(args) => return audit::plan(args).await,
         Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;
@@ -745,6 +758,12 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         .or_else(|| {
             err.chain().find_map(|e| {
                 e.downcast_ref::<signalweave_model::Error>()
+                    .map(|e| e.kind())
+            })
+        })
+        .or_else(|| {
+            err.chain().find_map(|e| {
+                e.downcast_ref::<signalweave_audit::AuditError>()
                     .map(|e| e.kind())
             })
         });

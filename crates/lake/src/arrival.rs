@@ -94,6 +94,35 @@ fn micros(d: &iceberg::spec::Datum) -> Option<i64> {
 }
 
 impl Lake {
+    /// The sequence number of every live data file of `table` as of `snapshot_id` (None:
+    /// current), by path.
+    pub async fn data_file_sequences(
+        &self,
+        table: LakeTable,
+        snapshot_id: Option<i64>,
+    ) -> Result<std::collections::HashMap<String, i64>> {
+        let base = self.table(table).await?;
+        let md = base.metadata();
+        let snapshot = match snapshot_id {
+            Some(id) => md.snapshot_by_id(id).cloned(),
+            None => md.current_snapshot().cloned(),
+        };
+        let Some(snapshot) = snapshot else {
+            return Ok(Default::default());
+        };
+        let loaded = data_manifests(&base, &snapshot).await?;
+        Ok(loaded
+            .iter()
+            .flat_map(|m| m.entries().iter().filter(|e| e.is_alive()))
+            .map(|e| {
+                (
+                    e.data_file().file_path().to_string(),
+                    e.sequence_number().unwrap_or(0),
+                )
+            })
+            .collect())
+    }
+
     /// The arrival watermarks of `table` as of `snapshot_id` (None: current), from the
     /// upper bounds of `event_column` and `arrival_column` in its data files' statistics.
     /// Files without those statistics contribute nothing.

@@ -141,6 +141,23 @@ pub struct IncrementalPlan {
     pub commit_ms: Vec<i64>,
     /// Files appended by those snapshots, in commit order.
     pub tasks: Vec<FileScanTask>,
+    /// The snapshot that appended each of `tasks` (a whole-table read: the snapshot read).
+    pub task_snapshots: Vec<i64>,
+}
+
+impl IncrementalPlan {
+    /// The tasks in runs of one snapshot each, in commit order: a reader that advances its
+    /// watermark between commits reads them run by run.
+    pub fn by_snapshot(self) -> Vec<(i64, Vec<FileScanTask>)> {
+        let mut runs: Vec<(i64, Vec<FileScanTask>)> = Vec::new();
+        for (task, snapshot) in self.tasks.into_iter().zip(self.task_snapshots) {
+            match runs.last_mut() {
+                Some((s, tasks)) if *s == snapshot => tasks.push(task),
+                _ => runs.push((snapshot, vec![task])),
+            }
+        }
+        runs
+    }
 }
 
 /// What a tailing reader has not read yet (see [`Lake::backlog`]).
@@ -982,6 +999,7 @@ impl Lake {
                 snapshots: Vec::new(),
                 commit_ms: Vec::new(),
                 tasks: Vec::new(),
+                task_snapshots: Vec::new(),
             });
         }
         let mut chain = snapshots_after(metadata, table, after)?;
@@ -1011,17 +1029,20 @@ impl Lake {
             let plan = self
                 .plan_time_range(table, i64::MIN, i64::MAX, snapshots.first().copied())
                 .await?;
+            let read = snapshots.first().copied().unwrap_or_default();
             return Ok(IncrementalPlan {
                 after,
                 upto: snapshots.first().copied(),
                 snapshots,
                 commit_ms,
+                task_snapshots: vec![read; plan.tasks.len()],
                 tasks: plan.tasks,
             });
         }
         let schema = metadata.current_schema().clone();
         let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
         let mut tasks = Vec::new();
+        let mut task_snapshots = Vec::new();
         for snapshot in &chain {
             // Only appends bring new rows: replace (compaction) rewrites rows already read,
             // overwrite and delete (erasure) rewrite or remove them.
@@ -1063,6 +1084,7 @@ impl Lake {
                     }
                     let file = entry.data_file();
                     tasks.push(whole_file_task(file, &schema, &field_ids, spec.clone()));
+                    task_snapshots.push(snapshot.snapshot_id());
                 }
             }
         }
@@ -1072,6 +1094,7 @@ impl Lake {
             snapshots,
             commit_ms,
             tasks,
+            task_snapshots,
         })
     }
 

@@ -51,5 +51,5 @@ pub use maintain::{
     PROP_PREVIOUS_VERSIONS_MAX, Retention,
 };
 pub use promote::{Promotion, authoritative};
-pub use provider::{LakeTableProvider, SnapshotChoice};
+pub use provider::{COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

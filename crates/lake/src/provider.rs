@@ -34,6 +34,11 @@ pub enum SnapshotChoice {
     Empty,
 }
 
+/// The column [`LakeTableProvider::with_commit_sequence`] adds: the sequence number of
+/// the data file a row is stored in (the commit order of the append that wrote it, or of
+/// the compaction that rewrote it).
+pub const COMMIT_SEQUENCE_COLUMN: &str = "sw_commit_sequence";
+
 /// A SignalWeave table as a DataFusion table.
 #[derive(Debug, Clone)]
 pub struct LakeTableProvider {
@@ -41,6 +46,7 @@ pub struct LakeTableProvider {
     table: LakeTable,
     snapshot: SnapshotChoice,
     schema: SchemaRef,
+    commit_sequence: bool,
 }
 
 impl LakeTableProvider {
@@ -66,7 +72,24 @@ impl LakeTableProvider {
             table,
             snapshot,
             schema: Arc::new(arrow_schema::Schema::new(fields)),
+            commit_sequence: false,
         }
+    }
+
+    /// The same table with one more column, [`COMMIT_SEQUENCE_COLUMN`] (`Int64`, from the
+    /// manifests: a constant per data file, read from no data). An auditor orders rows by
+    /// arrival with it, as a reader tailing commits saw them.
+    pub fn with_commit_sequence(mut self) -> Self {
+        let mut fields: Vec<arrow_schema::FieldRef> =
+            self.schema.fields().iter().cloned().collect();
+        fields.push(Arc::new(arrow_schema::Field::new(
+            COMMIT_SEQUENCE_COLUMN,
+            arrow_schema::DataType::Int64,
+            false,
+        )));
+        self.schema = Arc::new(arrow_schema::Schema::new(fields));
+        self.commit_sequence = true;
+        self
     }
 }
 
@@ -214,11 +237,28 @@ impl TableProvider for LakeTableProvider {
         };
         let (url, _) = split_location(&first.data_file_path);
         let partitions = state.config_options().execution.target_partitions.max(1);
+        let sequences = if self.commit_sequence {
+            Some(
+                self.lake
+                    .data_file_sequences(self.table, plan.snapshot_id)
+                    .await
+                    .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?,
+            )
+        } else {
+            None
+        };
         let mut files: Vec<PartitionedFile> = plan
             .tasks
             .iter()
             .map(|t| {
-                PartitionedFile::new(split_location(&t.data_file_path).1, t.file_size_in_bytes)
+                let f =
+                    PartitionedFile::new(split_location(&t.data_file_path).1, t.file_size_in_bytes);
+                match &sequences {
+                    Some(seq) => f.with_partition_values(vec![ScalarValue::Int64(Some(
+                        seq.get(&t.data_file_path).copied().unwrap_or(i64::MAX),
+                    ))]),
+                    None => f,
+                }
             })
             .collect();
         files.sort_by_key(|f| std::cmp::Reverse(f.object_meta.size));
@@ -233,7 +273,20 @@ impl TableProvider for LakeTableProvider {
         }
         let file_groups: Vec<FileGroup> =
             groups.into_iter().map(|(_, f)| FileGroup::new(f)).collect();
-        let source = Arc::new(ParquetSource::new(Arc::clone(&self.schema)));
+        let source = if self.commit_sequence {
+            let n = self.schema.fields().len() - 1;
+            let file_schema = Arc::new(arrow_schema::Schema::new(
+                self.schema.fields()[..n].to_vec(),
+            ));
+            Arc::new(ParquetSource::new(
+                datafusion::datasource::table_schema::TableSchema::new(
+                    file_schema,
+                    vec![Arc::clone(&self.schema.fields()[n])],
+                ),
+            ))
+        } else {
+            Arc::new(ParquetSource::new(Arc::clone(&self.schema)))
+        };
         let config = FileScanConfigBuilder::new(url, source)
             .with_file_groups(file_groups)
             .with_projection_indices(projection.cloned())?

@@ -1442,7 +1442,12 @@ impl Running {
         .collect();
         let mut snapshot = None;
         if !out.rows.is_empty() {
-            let batch = outputs_to_batch(&self.spec, &self.record.namespace, &out.rows)?;
+            let batch = outputs_to_batch(
+                &self.spec,
+                &self.record.namespace,
+                &out.rows,
+                &vec![self.record.snapshot_id; out.rows.len()],
+            )?;
             let batch = RecordBatch::try_new(output.arrow_schema(), batch.columns().to_vec())
                 .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
             let identity = CommitIdentity::new(self.writer(), u64::from(sub.seq));

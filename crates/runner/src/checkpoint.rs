@@ -47,6 +47,9 @@ pub struct Checkpoint {
     /// (empty after [`Checkpoint::from_bytes`]): a checkpoint is current only once they
     /// are committed.
     pub outputs: Vec<OutputRow>,
+    /// The source snapshot each of `outputs` reflects (the position after the step that
+    /// emitted it). Not stored either.
+    pub output_snapshots: Vec<Option<i64>>,
     /// Late records classified in this epoch, committed to `late_events`.
     pub late: Vec<LateEvent>,
     /// When it was taken, ms since the epoch.
@@ -131,6 +134,7 @@ impl Checkpoint {
             position: meta.position,
             engine_state: bytes[meta_end..].to_vec(),
             outputs: Vec::new(),
+            output_snapshots: Vec::new(),
             late: meta.late,
             created_ms: meta.created_ms,
         })
@@ -453,6 +457,7 @@ mod tests {
             position: Some(42),
             engine_state: vec![1, 2, 3],
             outputs: Vec::new(),
+            output_snapshots: Vec::new(),
             late: Vec::new(),
             created_ms: 5,
         };

@@ -192,6 +192,8 @@ pub struct LiveJob {
     /// The position of the last checkpoint.
     checkpointed_position: Option<i64>,
     pending_outputs: Vec<OutputRow>,
+    /// The source snapshot each pending output reflects.
+    pending_snapshots: Vec<Option<i64>>,
     pending_late: Vec<LateEvent>,
     last_checkpoint: Instant,
     last_probe: Instant,
@@ -258,6 +260,7 @@ impl LiveJob {
             epoch: 0,
             checkpointed_position: None,
             pending_outputs: Vec::new(),
+            pending_snapshots: Vec::new(),
             pending_late: Vec::new(),
             last_checkpoint: Instant::now(),
             last_probe: Instant::now(),
@@ -423,35 +426,54 @@ impl LiveJob {
             self.waited_at = Instant::now();
             let committed_at = plan.commit_ms.last().copied().unwrap_or_default() * 1000;
             let key_columns = self.spec.key.columns.clone();
-            let mut stream = self.lake.read(LakeTable::Events, plan.tasks).await?;
             let (mut counted, mut filtered, mut dups, mut late_n) = (0u64, 0u64, 0u64, 0u64);
-            while let Some(batch) = stream.try_next().await.map_err(|e| {
-                RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
-            })? {
-                let now = now_us();
-                report.records += batch.num_rows() as u64;
-                self.freshness
-                    .observe(&batch, &key_columns, committed_at, read_at);
-                if let Some(col) = batch.column_by_name(&self.spec.time.event_time_column)
-                    && let Some(ts) = arrow::array::AsArray::as_primitive_opt::<
-                        arrow::datatypes::TimestampMicrosecondType,
-                    >(col.as_ref())
-                    && let Some(max) = arrow::compute::max(ts)
-                {
-                    self.max_event_time = self.max_event_time.max(max);
+            report.snapshots = plan.snapshots.len();
+            let upto = plan.upto;
+            // Commit by commit: the watermark advances (and triggers fire) between two
+            // commits of one step, so a record is judged by the watermark of the commits
+            // before it however many commits a step reads (as a backfill and the
+            // reconciliation oracle judge it).
+            let runs = plan.by_snapshot();
+            let last = runs.len();
+            for (i, (snapshot, tasks)) in runs.into_iter().enumerate() {
+                let mut stream = self.lake.read(LakeTable::Events, tasks).await?;
+                while let Some(batch) = stream.try_next().await.map_err(|e| {
+                    RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
+                })? {
+                    let now = now_us();
+                    report.records += batch.num_rows() as u64;
+                    self.freshness
+                        .observe(&batch, &key_columns, committed_at, read_at);
+                    if let Some(col) = batch.column_by_name(&self.spec.time.event_time_column)
+                        && let Some(ts) = arrow::array::AsArray::as_primitive_opt::<
+                            arrow::datatypes::TimestampMicrosecondType,
+                        >(col.as_ref())
+                        && let Some(max) = arrow::compute::max(ts)
+                    {
+                        self.max_event_time = self.max_event_time.max(max);
+                    }
+                    let outcome = self.engine.process_batch(&batch, "events", now)?;
+                    counted += outcome.counted;
+                    filtered += outcome.filtered;
+                    dups += outcome.duplicates;
+                    late_n += outcome.late.len() as u64;
+                    if !outcome.late.is_empty() {
+                        self.pending_late.extend(late::extract(
+                            &batch,
+                            &outcome.late,
+                            &key_columns,
+                            now,
+                        )?);
+                    }
                 }
-                let outcome = self.engine.process_batch(&batch, "events", now)?;
-                counted += outcome.counted;
-                filtered += outcome.filtered;
-                dups += outcome.duplicates;
-                late_n += outcome.late.len() as u64;
-                if !outcome.late.is_empty() {
-                    self.pending_late.extend(late::extract(
-                        &batch,
-                        &outcome.late,
-                        &key_columns,
-                        now,
-                    )?);
+                if i + 1 < last {
+                    let now = now_us();
+                    let rows = self.engine.fire(now);
+                    self.freshness.emitted(&rows, now);
+                    report.emitted += rows.len();
+                    self.pending_snapshots
+                        .extend(std::iter::repeat_n(Some(snapshot), rows.len()));
+                    self.pending_outputs.extend(rows);
                 }
             }
             for (outcome, n) in [
@@ -471,15 +493,14 @@ impl LiveJob {
                 s.duplicates += dups;
                 s.late += late_n;
             }
-            report.snapshots = plan.snapshots.len();
-            self.position = plan.upto;
+            self.position = upto;
         }
         let now = now_us();
         let fire_started = Instant::now();
         let rows = self.engine.fire(now);
         let fire_ms = fire_started.elapsed().as_millis();
         self.freshness.emitted(&rows, now);
-        report.emitted = rows.len();
+        report.emitted += rows.len();
         if report.records > 0 || !rows.is_empty() {
             tracing::debug!(
                 job = %self.spec.name,
@@ -491,6 +512,8 @@ impl LiveJob {
                 "step"
             );
         }
+        self.pending_snapshots
+            .extend(std::iter::repeat_n(self.position, rows.len()));
         self.pending_outputs.extend(rows);
         let due =
             force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
@@ -553,6 +576,7 @@ impl LiveJob {
                 state
             },
             outputs: std::mem::take(&mut self.pending_outputs),
+            output_snapshots: std::mem::take(&mut self.pending_snapshots),
             late: std::mem::take(&mut self.pending_late),
             created_ms: chrono::Utc::now().timestamp_millis(),
         };
@@ -648,7 +672,12 @@ impl LiveJob {
         .collect();
         let mut out_snapshot = None;
         if !checkpoint.outputs.is_empty() {
-            let batch = outputs_to_batch(&self.spec, &self.config.namespace, &checkpoint.outputs)?;
+            let batch = outputs_to_batch(
+                &self.spec,
+                &self.config.namespace,
+                &checkpoint.outputs,
+                &checkpoint.output_snapshots,
+            )?;
             let batch = arrow::array::RecordBatch::try_new(
                 self.output.arrow_schema(),
                 batch.columns().to_vec(),

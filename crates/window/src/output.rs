@@ -142,6 +142,7 @@ pub fn output_schema(spec: &JobSpec) -> SchemaRef {
         Field::new("retracted", DataType::Boolean, false),
         Field::new("watermark", ts(), false),
         Field::new("emitted_at", ts(), false),
+        Field::new("input_snapshot", DataType::Int64, true),
         Field::new("first_event_time", ts(), false),
         Field::new("last_event_time", ts(), false),
         Field::new("events", DataType::Int64, false),
@@ -156,11 +157,14 @@ pub fn output_schema(spec: &JobSpec) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
-/// Output rows as one batch of [`output_schema`].
+/// Output rows as one batch of [`output_schema`]. `input_snapshots[i]` is the snapshot of
+/// the source that row `i` reflects (the input position of its emission; `None` or a
+/// short slice: unknown).
 pub fn outputs_to_batch(
     spec: &JobSpec,
     namespace: &str,
     rows: &[OutputRow],
+    input_snapshots: &[Option<i64>],
 ) -> Result<RecordBatch> {
     let n = rows.len();
     let ts = || TimestampMicrosecondBuilder::with_capacity(n).with_timezone("+00:00");
@@ -176,6 +180,7 @@ pub fn outputs_to_batch(
     let (mut ws, mut we, mut wm, mut at, mut first, mut last) =
         (ts(), ts(), ts(), ts(), ts(), ts());
     let mut events = Int64Builder::with_capacity(n);
+    let mut input = Int64Builder::with_capacity(n);
     let mut ints: Vec<Int64Builder> = Vec::new();
     let mut floats: Vec<Float64Builder> = Vec::new();
     for a in &spec.aggregates {
@@ -184,7 +189,8 @@ pub fn outputs_to_batch(
             _ => ints.push(Int64Builder::with_capacity(n)),
         }
     }
-    for r in rows {
+    for (i, r) in rows.iter().enumerate() {
+        input.append_option(input_snapshots.get(i).copied().flatten());
         job.append_value(&spec.name);
         ns.append_value(namespace);
         jv.append_value(i64::from(spec.version));
@@ -228,6 +234,7 @@ pub fn outputs_to_batch(
         Arc::new(retracted.finish()),
         Arc::new(wm.finish()),
         Arc::new(at.finish()),
+        Arc::new(input.finish()),
         Arc::new(first.finish()),
         Arc::new(last.finish()),
         Arc::new(events.finish()),
