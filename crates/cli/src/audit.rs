@@ -4,13 +4,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use signalweave_audit::{Measured, ReconcileRequest, Sheet};
 use signalweave_lake::Lake;
 use signalweave_runner::JobStatus;
 
 use crate::backfill::{find_spec, parse_time};
+use crate::live::fetch_statuses;
 use crate::outln;
 use crate::output::{Format, print_rows};
 
@@ -132,25 +133,14 @@ pub struct PlanArgs {
     pub format: Format,
 }
 
-async fn fetch_status(url: &str) -> Result<Vec<JobStatus>> {
-    let body = reqwest::get(url)
-        .await
-        .with_context(|| format!("GET {url}: is `signalweave up` running?"))?
-        .error_for_status()
-        .with_context(|| format!("GET {url}"))?
-        .text()
-        .await?;
-    serde_json::from_str(&body).with_context(|| format!("parsing {url}"))
-}
-
 /// The figures `/v1/status` gives, over `window` (the rate is the difference of the
 /// records read by the busiest live job).
 async fn measure(base: &str, window: Duration) -> Result<Measured> {
     let url = format!("{}/v1/status", base.trim_end_matches('/'));
-    let first = fetch_status(&url).await?;
+    let first = fetch_statuses(base).await?;
     let started = Instant::now();
     tokio::time::sleep(window).await;
-    let second = fetch_status(&url).await?;
+    let second = fetch_statuses(base).await?;
     let seconds = started.elapsed().as_secs_f64();
     let live: Vec<&JobStatus> = second.iter().filter(|s| s.namespace == "live").collect();
     let rate = live

@@ -407,9 +407,9 @@ async fn maintenance_loop(
     }
 }
 
-/// `signalweave status`: the jobs of a running `up` or `run --serve`, as a table.
-pub async fn status(args: &StatusArgs) -> Result<ExitCode> {
-    let url = format!("{}/v1/status", args.url.trim_end_matches('/'));
+/// The jobs' status of a running `up` or `run --serve` at `base` (`http://host:port`).
+pub async fn fetch_statuses(base: &str) -> Result<Vec<JobStatus>> {
+    let url = format!("{}/v1/status", base.trim_end_matches('/'));
     let body = reqwest::get(&url)
         .await
         .with_context(|| format!("GET {url}: is `signalweave up` running?"))?
@@ -417,7 +417,12 @@ pub async fn status(args: &StatusArgs) -> Result<ExitCode> {
         .with_context(|| format!("GET {url}"))?
         .text()
         .await?;
-    let statuses: Vec<JobStatus> = serde_json::from_str(&body).context("parsing /v1/status")?;
+    serde_json::from_str(&body).with_context(|| format!("parsing {url}"))
+}
+
+/// `signalweave status`: the jobs of a running `up` or `run --serve`, as a table.
+pub async fn status(args: &StatusArgs) -> Result<ExitCode> {
+    let statuses = fetch_statuses(&args.url).await?;
     print_rows(
         args.format,
         &STATUS_HEADER,
