@@ -536,7 +536,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         ),
     )
     .await?;
-    // 2. The records of the range (and of the windows starting in it).
+    // 2. The records of the range (and of the windows starting in it). `rid` numbers
+    // them in arrival order, so the first copy of an identity is its smallest `rid`.
     run(
         &ctx,
         "oracle records",
@@ -594,12 +595,12 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
                    WHEN key IS NULL THEN 'null_key' \
                    WHEN wm IS NOT NULL AND t + {horizon} <= wm THEN 'late_horizon' \
                    ELSE 'candidate' END AS pre FROM j), \
-             d AS (SELECT *, \
-                   row_number() OVER (PARTITION BY pre, tenant, event_id ORDER BY ingest, seq, rid) AS copy, \
-                   first_value(rid) OVER (PARTITION BY pre, tenant, event_id ORDER BY ingest, seq, rid) AS twin \
-                   FROM h) \
+             f AS (SELECT tenant AS f_tenant, event_id AS f_event_id, min(rid) AS twin FROM h \
+                   WHERE pre = 'candidate' GROUP BY tenant, event_id), \
+             d AS (SELECT h.*, f.twin FROM h LEFT JOIN f \
+                   ON h.pre = 'candidate' AND h.tenant = f.f_tenant AND h.event_id = f.f_event_id) \
              SELECT *, CASE WHEN pre <> 'candidate' THEN pre \
-                   WHEN tenant IS NOT NULL AND event_id IS NOT NULL AND copy > 1 THEN 'duplicate' \
+                   WHEN twin IS NOT NULL AND rid <> twin THEN 'duplicate' \
                    ELSE {first_class} END AS class0 FROM d",
             horizon = rules.horizon,
         ),
