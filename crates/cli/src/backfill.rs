@@ -233,6 +233,14 @@ fn spec_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// A notification job (`kind = "notification"`), not a window job.
+fn is_notification_spec(path: &Path) -> bool {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+        .is_some_and(|t| t.get("kind").and_then(|k| k.as_str()) == Some("notification"))
+}
+
 /// The live spec of `job` (a `<dir>/*.toml`), and with `version` the spec of that version
 /// (anywhere under `dir`).
 pub fn find_spec(dir: &Path, job: &str, version: Option<u32>) -> Result<Arc<JobSpec>> {
@@ -242,6 +250,9 @@ pub fn find_spec(dir: &Path, job: &str, version: Option<u32>) -> Result<Arc<JobS
     let mut found = Vec::new();
     for path in files {
         let top_level = path.parent() == Some(dir);
+        if is_notification_spec(&path) {
+            continue;
+        }
         let Ok(spec) = JobSpec::from_file(&path) else {
             if top_level {
                 // A live spec that does not parse is an error worth seeing.

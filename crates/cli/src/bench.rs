@@ -157,6 +157,16 @@ pub enum BenchCommand {
         #[arg(long, default_value = "jobs/market_aggregates.toml")]
         job: std::path::PathBuf,
     },
+    /// Effects dispatched per second to a local notification sink (in this process),
+    /// and the latency from intent to delivered.
+    Effects {
+        /// Effects to record and dispatch.
+        #[arg(long, default_value_t = 20_000)]
+        effects: u64,
+        /// Requests in flight.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+    },
     /// Reclaim latency: guard crossed to the backfill at its floor, over repeated crossings.
     Reclaim {
         /// Events to land (reused when `events` holds that many already).
@@ -294,6 +304,12 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 *parallelism,
             )
             .await;
+        }
+        BenchCommand::Effects {
+            effects,
+            concurrency,
+        } => {
+            return crate::effects::bench(lake, *effects, *concurrency).await;
         }
         BenchCommand::Reclaim {
             events,
@@ -479,6 +495,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
         | BenchCommand::Live { .. }
         | BenchCommand::Backfill { .. }
         | BenchCommand::Reclaim { .. }
+        | BenchCommand::Effects { .. }
         | BenchCommand::Recovery { .. }
         | BenchCommand::Freshness { .. } => unreachable!("handled above"),
         BenchCommand::Compaction { files, rows, runs } => {

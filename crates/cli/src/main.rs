@@ -9,6 +9,7 @@ mod audit;
 mod backfill;
 mod bench;
 mod bench_live;
+mod effects;
 mod ingest;
 mod live;
 #[macro_use]
@@ -121,6 +122,13 @@ enum Command {
     /// The capacity model of a sheet (freshness ledger, backlogs, bytes, state, backfill
     /// bounds), optionally with figures measured by a running `signalweave up`.
     Plan(audit::PlanArgs),
+    /// Customer notifications: run a notification job, its ledger's status, reconcile
+    /// ambiguous effects with the provider, expire settled effects.
+    #[command(subcommand)]
+    Effects(effects::EffectsCommand),
+    /// A notification provider for tests and the demo: honours idempotency keys, answers
+    /// lookups, and can be told to fail, delay, or drop answers.
+    NotifySink(effects::SinkArgs),
     /// Run a benchmark (release builds only give meaningful figures).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -730,6 +738,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             return audit::reconcile(lake, args).await;
         }
         Command::Plan(args) => return audit::plan(args).await,
+        Command::Effects(cmd) => {
+            let lake = open_lake(&cli).await?;
+            return effects::run(lake, cmd).await;
+        }
+        Command::NotifySink(args) => return effects::sink(args).await,
         Command::Key(cmd) => ingest::run_key(cmd)?,
         Command::Bench(cmd) => {
             let config = lake_config(&cli.lake)?;
@@ -764,6 +777,12 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         .or_else(|| {
             err.chain().find_map(|e| {
                 e.downcast_ref::<signalweave_audit::AuditError>()
+                    .map(|e| e.kind())
+            })
+        })
+        .or_else(|| {
+            err.chain().find_map(|e| {
+                e.downcast_ref::<signalweave_effects::EffectError>()
                     .map(|e| e.kind())
             })
         });

@@ -1,0 +1,508 @@
+//! The effect ledger (outbox) in the catalog database.
+//!
+//! One row per logical effect in `sw_effects`, keyed by (catalog, namespace, effect id);
+//! every delivery attempt in `sw_effect_attempts`; the notifier's source position in
+//! `sw_effect_positions`. A notifier records its intents and its new position in one
+//! transaction, so a crash before it commits re-reads the same outputs and derives the
+//! same effect ids, and a crash after it finds them recorded.
+//!
+//! States: `intended` → `dispatching` → `delivered` | `failed` | `ambiguous` →
+//! `reconciled`; `would_send` for a backfill namespace (never dispatched).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use signalweave_lake::Lake;
+use signalweave_model::ErrorKind;
+use sqlx::Row;
+
+use crate::error::{EffectError, Result};
+
+/// A logical effect the notifier decided on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Intent {
+    /// Stable id (see [`crate::effect_id`]).
+    pub effect_id: String,
+    /// Rule.
+    pub rule: String,
+    /// The key notified (customer).
+    pub key: String,
+    /// Window start of the triggering output, µs.
+    pub window_start_us: i64,
+    /// The value that crossed the threshold.
+    pub value: i64,
+    /// The message.
+    pub message: String,
+    /// Largest event time of the triggering output version, µs.
+    pub trigger_event_us: i64,
+    /// Output table snapshot the notifier read it from.
+    pub source_snapshot: i64,
+}
+
+/// An effect as the ledger holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Effect {
+    /// Id.
+    pub effect_id: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Rule.
+    pub rule: String,
+    /// Key.
+    pub key: String,
+    /// Message.
+    pub message: String,
+    /// State.
+    pub state: String,
+    /// Attempts made.
+    pub attempts: i64,
+    /// Largest event time of the triggering output, µs.
+    pub trigger_event_us: i64,
+    /// Created, ms.
+    pub created_ms: i64,
+    /// Delivered, ms.
+    pub delivered_ms: Option<i64>,
+    /// The provider's reference of the delivery.
+    pub provider_ref: Option<String>,
+    /// Last error.
+    pub last_error: Option<String>,
+}
+
+/// Effect states.
+pub mod state {
+    /// Decided, not yet dispatched (or due for a retry).
+    pub const INTENDED: &str = "intended";
+    /// A request is (or was, if the dispatcher died) in flight.
+    pub const DISPATCHING: &str = "dispatching";
+    /// The provider confirmed it.
+    pub const DELIVERED: &str = "delivered";
+    /// Refused by the provider, or out of retries.
+    pub const FAILED: &str = "failed";
+    /// Sent, outcome unknown, and the provider cannot be asked.
+    pub const AMBIGUOUS: &str = "ambiguous";
+    /// Resolved by `effects reconcile`.
+    pub const RECONCILED: &str = "reconciled";
+    /// A backfill's effect: recorded for comparison, never sent.
+    pub const WOULD_SEND: &str = "would_send";
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// The ledger of one catalog.
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    lake: Lake,
+    catalog: String,
+}
+
+/// Where a notifier may simulate a crash (`SIGNALWEAVE_EFFECT_FAULT`): it logs
+/// `fault point <name> reached` and waits to be killed.
+pub fn fault_point(name: &str) {
+    if std::env::var("SIGNALWEAVE_EFFECT_FAULT").ok().as_deref() == Some(name) {
+        eprintln!("fault point {name} reached");
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
+impl Ledger {
+    /// Opens the ledger, creating its tables if missing.
+    pub async fn open(lake: Lake) -> Result<Self> {
+        let catalog = lake.config().catalog_name.clone();
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS sw_effects (catalog_name VARCHAR(255) NOT NULL, \
+             namespace VARCHAR(255) NOT NULL, effect_id VARCHAR(64) NOT NULL, job VARCHAR(255) NOT NULL, \
+             rule VARCHAR(255) NOT NULL, effect_key VARCHAR(255) NOT NULL, window_start_us BIGINT NOT NULL, \
+             value BIGINT NOT NULL, message TEXT NOT NULL, trigger_event_us BIGINT NOT NULL, \
+             source_snapshot BIGINT NOT NULL, state VARCHAR(32) NOT NULL, attempts BIGINT NOT NULL, \
+             next_attempt_ms BIGINT NOT NULL, first_attempt_ms BIGINT, created_ms BIGINT NOT NULL, \
+             updated_ms BIGINT NOT NULL, delivered_ms BIGINT, provider_ref TEXT, last_error TEXT, \
+             PRIMARY KEY (catalog_name, namespace, effect_id))",
+            "CREATE TABLE IF NOT EXISTS sw_effect_attempts (catalog_name VARCHAR(255) NOT NULL, \
+             namespace VARCHAR(255) NOT NULL, effect_id VARCHAR(64) NOT NULL, attempt BIGINT NOT NULL, \
+             started_ms BIGINT NOT NULL, finished_ms BIGINT, outcome VARCHAR(32) NOT NULL, \
+             http_status BIGINT, answer TEXT, PRIMARY KEY (catalog_name, namespace, effect_id, attempt))",
+            "CREATE TABLE IF NOT EXISTS sw_effect_positions (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, position BIGINT NOT NULL, \
+             updated_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace))",
+        ] {
+            sqlx::query(ddl)
+                .execute(lake.control_pool())
+                .await
+                .map_err(|e| EffectError::sql("create the effect ledger", e))?;
+        }
+        Ok(Self { lake, catalog })
+    }
+
+    fn sql(&self, s: &str) -> String {
+        self.lake.control_sql(s)
+    }
+
+    /// The notifier's position for (job, namespace): the last output snapshot read.
+    pub async fn position(&self, job: &str, namespace: &str) -> Result<Option<i64>> {
+        let row = sqlx::query(&self.sql(
+            "SELECT position FROM sw_effect_positions WHERE catalog_name = $1 AND job = $2 AND namespace = $3",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .fetch_optional(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("read the notifier position", e))?;
+        Ok(row.map(|r| r.get::<i64, _>(0)))
+    }
+
+    /// Records `intents` and moves the position from `from` to `to`, in one transaction.
+    /// An intent whose effect id exists is left as it is. Fails with `Conflict` when the
+    /// position is not `from` any more (another notifier moved it).
+    pub async fn commit_intents(
+        &self,
+        job: &str,
+        namespace: &str,
+        from: Option<i64>,
+        to: i64,
+        intents: &[Intent],
+        would_send: bool,
+    ) -> Result<u64> {
+        let pool = self.lake.control_pool();
+        let mut tx = pool
+            .begin()
+            .await
+            .map_err(|e| EffectError::sql("begin the intent transaction", e))?;
+        let now = now_ms();
+        let insert = self.sql(
+            "INSERT INTO sw_effects (catalog_name, namespace, effect_id, job, rule, effect_key, window_start_us, \
+             value, message, trigger_event_us, source_snapshot, state, attempts, next_attempt_ms, created_ms, updated_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 0, $13, $14, $15) \
+             ON CONFLICT (catalog_name, namespace, effect_id) DO NOTHING",
+        );
+        let mut recorded = 0;
+        for i in intents {
+            let r = sqlx::query(&insert)
+                .bind(&self.catalog)
+                .bind(namespace)
+                .bind(&i.effect_id)
+                .bind(job)
+                .bind(&i.rule)
+                .bind(&i.key)
+                .bind(i.window_start_us)
+                .bind(i.value)
+                .bind(&i.message)
+                .bind(i.trigger_event_us)
+                .bind(i.source_snapshot)
+                .bind(if would_send {
+                    state::WOULD_SEND
+                } else {
+                    state::INTENDED
+                })
+                .bind(now)
+                .bind(now)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("record an intent", e))?;
+            recorded += r.rows_affected();
+        }
+        fault_point("during_checkpoint");
+        let moved = match from {
+            Some(from) => sqlx::query(&self.sql(
+                "UPDATE sw_effect_positions SET position = $1, updated_ms = $2 \
+                 WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND position = $6",
+            ))
+            .bind(to)
+            .bind(now)
+            .bind(&self.catalog)
+            .bind(job)
+            .bind(namespace)
+            .bind(from)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| EffectError::sql("move the notifier position", e))?
+            .rows_affected(),
+            None => sqlx::query(&self.sql(
+                "INSERT INTO sw_effect_positions (catalog_name, job, namespace, position, updated_ms) \
+                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT (catalog_name, job, namespace) DO NOTHING",
+            ))
+            .bind(&self.catalog)
+            .bind(job)
+            .bind(namespace)
+            .bind(to)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| EffectError::sql("record the notifier position", e))?
+            .rows_affected(),
+        };
+        if moved != 1 {
+            return Err(EffectError::new(
+                ErrorKind::Conflict,
+                format!("the position of {job} ({namespace}) moved: another notifier runs it"),
+            ));
+        }
+        tx.commit()
+            .await
+            .map_err(|e| EffectError::sql("commit the intents", e))?;
+        Ok(recorded)
+    }
+
+    /// Claims up to `limit` effects of `job` due for dispatch (`intended`, next attempt
+    /// due): each becomes `dispatching` with a new attempt row. Returns them with their
+    /// attempt numbers.
+    pub async fn claim(&self, job: &str, limit: usize) -> Result<Vec<(Effect, i64)>> {
+        let now = now_ms();
+        let rows = sqlx::query(&self.sql(
+            "SELECT effect_id FROM sw_effects WHERE catalog_name = $1 AND namespace = 'live' AND job = $2 \
+             AND state = 'intended' AND next_attempt_ms <= $3 ORDER BY created_ms, effect_id LIMIT $4",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("find due effects", e))?;
+        let mut claimed = Vec::new();
+        for r in rows {
+            let id: String = r.get(0);
+            let n = sqlx::query(&self.sql(
+                "UPDATE sw_effects SET state = 'dispatching', attempts = attempts + 1, updated_ms = $1, \
+                 first_attempt_ms = COALESCE(first_attempt_ms, $2) \
+                 WHERE catalog_name = $3 AND namespace = 'live' AND effect_id = $4 AND state = 'intended'",
+            ))
+            .bind(now)
+            .bind(now)
+            .bind(&self.catalog)
+            .bind(&id)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| EffectError::sql("claim an effect", e))?
+            .rows_affected();
+            if n != 1 {
+                continue;
+            }
+            let Some(effect) = self.get("live", &id).await? else {
+                continue;
+            };
+            let attempt = effect.attempts;
+            sqlx::query(&self.sql(
+                "INSERT INTO sw_effect_attempts (catalog_name, namespace, effect_id, attempt, started_ms, outcome) \
+                 VALUES ($1, 'live', $2, $3, $4, 'sending')",
+            ))
+            .bind(&self.catalog)
+            .bind(&id)
+            .bind(attempt)
+            .bind(now)
+            .execute(self.lake.control_pool())
+            .await
+            .map_err(|e| EffectError::sql("record an attempt", e))?;
+            claimed.push((effect, attempt));
+        }
+        Ok(claimed)
+    }
+
+    /// One effect.
+    pub async fn get(&self, namespace: &str, effect_id: &str) -> Result<Option<Effect>> {
+        let rows = self
+            .list_where("namespace = $2 AND effect_id = $3", &[namespace, effect_id])
+            .await?;
+        Ok(rows.into_iter().next())
+    }
+
+    async fn list_where(&self, cond: &str, args: &[&str]) -> Result<Vec<Effect>> {
+        let sql = self.sql(&format!(
+            "SELECT effect_id, namespace, rule, effect_key, message, state, attempts, trigger_event_us, \
+             created_ms, delivered_ms, provider_ref, last_error FROM sw_effects \
+             WHERE catalog_name = $1 AND {cond} ORDER BY created_ms, effect_id"
+        ));
+        let mut q = sqlx::query(&sql).bind(&self.catalog);
+        for a in args {
+            q = q.bind(*a);
+        }
+        let rows = q
+            .fetch_all(self.lake.control_pool())
+            .await
+            .map_err(|e| EffectError::sql("read effects", e))?;
+        Ok(rows
+            .iter()
+            .map(|r| Effect {
+                effect_id: r.get(0),
+                namespace: r.get(1),
+                rule: r.get(2),
+                key: r.get(3),
+                message: r.get(4),
+                state: r.get(5),
+                attempts: r.get(6),
+                trigger_event_us: r.get(7),
+                created_ms: r.get(8),
+                delivered_ms: r.get(9),
+                provider_ref: r.get(10),
+                last_error: r.get(11),
+            })
+            .collect())
+    }
+
+    /// Effects of `job` in `namespace`, optionally in one state.
+    pub async fn effects(
+        &self,
+        job: &str,
+        namespace: &str,
+        state: Option<&str>,
+    ) -> Result<Vec<Effect>> {
+        match state {
+            Some(s) => {
+                self.list_where(
+                    "job = $2 AND namespace = $3 AND state = $4",
+                    &[job, namespace, s],
+                )
+                .await
+            }
+            None => {
+                self.list_where("job = $2 AND namespace = $3", &[job, namespace])
+                    .await
+            }
+        }
+    }
+
+    /// Counts by state.
+    pub async fn counts(&self, job: &str, namespace: &str) -> Result<BTreeMap<String, u64>> {
+        let rows = sqlx::query(&self.sql(
+            "SELECT state, COUNT(*) FROM sw_effects WHERE catalog_name = $1 AND job = $2 AND namespace = $3 GROUP BY state",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .fetch_all(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("count effects", e))?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1).max(0) as u64))
+            .collect())
+    }
+
+    /// Settles a `dispatching` effect: its new state, and the attempt's outcome. With
+    /// `retry_at_ms`, the effect goes back to `intended`, due then.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn settle(
+        &self,
+        effect_id: &str,
+        attempt: i64,
+        new_state: &str,
+        outcome: &str,
+        http_status: Option<u16>,
+        answer: Option<&str>,
+        retry_at_ms: Option<i64>,
+    ) -> Result<()> {
+        let now = now_ms();
+        let delivered =
+            (new_state == state::DELIVERED || new_state == state::RECONCILED).then_some(now);
+        sqlx::query(&self.sql(
+            "UPDATE sw_effects SET state = $1, updated_ms = $2, next_attempt_ms = $3, \
+             delivered_ms = COALESCE(delivered_ms, $4), provider_ref = COALESCE($5, provider_ref), last_error = $6 \
+             WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8",
+        ))
+        .bind(new_state)
+        .bind(now)
+        .bind(retry_at_ms.unwrap_or(now))
+        .bind(delivered)
+        .bind(if delivered.is_some() { answer } else { None })
+        .bind(if delivered.is_some() { None } else { answer })
+        .bind(&self.catalog)
+        .bind(effect_id)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("settle an effect", e))?;
+        sqlx::query(&self.sql(
+            "UPDATE sw_effect_attempts SET finished_ms = $1, outcome = $2, http_status = $3, answer = $4 \
+             WHERE catalog_name = $5 AND namespace = 'live' AND effect_id = $6 AND attempt = $7",
+        ))
+        .bind(now)
+        .bind(outcome)
+        .bind(http_status.map(i64::from))
+        .bind(answer)
+        .bind(&self.catalog)
+        .bind(effect_id)
+        .bind(attempt)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("record an attempt's outcome", e))?;
+        Ok(())
+    }
+
+    /// Moves a live effect from state `from` to `to` (compare-and-set), noting why; with
+    /// `provider_ref`, records it as delivered by the provider. Returns whether it moved.
+    pub async fn transition(
+        &self,
+        effect_id: &str,
+        from: &str,
+        to: &str,
+        note: &str,
+        provider_ref: Option<&str>,
+    ) -> Result<bool> {
+        let now = now_ms();
+        let n = sqlx::query(&self.sql(
+            "UPDATE sw_effects SET state = $1, updated_ms = $2, next_attempt_ms = $3, last_error = $4, \
+             provider_ref = COALESCE($5, provider_ref), delivered_ms = CASE WHEN $6 = 1 THEN COALESCE(delivered_ms, $7) ELSE delivered_ms END \
+             WHERE catalog_name = $8 AND namespace = 'live' AND effect_id = $9 AND state = $10",
+        ))
+        .bind(to)
+        .bind(now)
+        .bind(now)
+        .bind(note)
+        .bind(provider_ref)
+        .bind(i64::from(provider_ref.is_some()))
+        .bind(now)
+        .bind(&self.catalog)
+        .bind(effect_id)
+        .bind(from)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("move an effect", e))?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// The first attempt's time of an effect, ms.
+    pub async fn first_attempt_ms(&self, effect_id: &str) -> Result<Option<i64>> {
+        let row = sqlx::query(&self.sql(
+            "SELECT first_attempt_ms FROM sw_effects WHERE catalog_name = $1 AND namespace = 'live' AND effect_id = $2",
+        ))
+        .bind(&self.catalog)
+        .bind(effect_id)
+        .fetch_optional(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("read an effect", e))?;
+        Ok(row.and_then(|r| r.get::<Option<i64>, _>(0)))
+    }
+
+    /// Deletes settled effects (and their attempts) created before `older_than_ms`.
+    /// Returns how many effects went.
+    pub async fn expire(&self, job: &str, older_than_ms: i64) -> Result<u64> {
+        let settled = "('delivered', 'reconciled', 'failed', 'would_send')";
+        sqlx::query(&self.sql(&format!(
+            "DELETE FROM sw_effect_attempts WHERE catalog_name = $1 AND effect_id IN \
+             (SELECT effect_id FROM sw_effects WHERE catalog_name = $2 AND job = $3 AND created_ms < $4 AND state IN {settled})"
+        )))
+        .bind(&self.catalog)
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(older_than_ms)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("expire attempts", e))?;
+        let n = sqlx::query(&self.sql(&format!(
+            "DELETE FROM sw_effects WHERE catalog_name = $1 AND job = $2 AND created_ms < $3 AND state IN {settled}"
+        )))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(older_than_ms)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("expire effects", e))?
+        .rows_affected();
+        Ok(n)
+    }
+}

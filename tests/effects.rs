@@ -1,0 +1,415 @@
+//! Customer notifications across crashes: the crash table of the effect boundary.
+//!
+//! Each crash point of the new design is reached for real (`SIGNALWEAVE_EFFECT_FAULT`
+//! makes the process stop there) and the process is killed with SIGKILL; a restart then
+//! settles. Against a provider that honours idempotency keys every effect is delivered
+//! exactly once; against one that does not (and cannot be asked), the effect in flight
+//! is left `ambiguous`, never resent blindly, and an operator's resend makes at most one
+//! duplicate, counted and reported. A misbehaving provider (503s, answers lost after
+//! accepting) ends with every effect delivered once; a backfill namespace sends nothing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use support::cli::{Proc, get, ok, sw};
+
+/// A lake with customer_features outputs: 20,000 events loaded in commits of 1,000, the
+/// live job run until caught up.
+fn landed(dir: &Path) -> PathBuf {
+    let lake = dir.join("lake");
+    let file = dir.join("events.ndjson");
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--out"])
+        .arg(&file)
+        .args([
+            "--events",
+            "20000",
+            "--events-per-sec",
+            "2",
+            "--late-fraction",
+            "0.01",
+        ])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .arg("load")
+        .arg(&file)
+        .args(["--chunk-records", "1000"])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/customer_features.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap());
+    lake
+}
+
+/// A copy of `lake` (the ledger lives in its catalog database).
+fn copy(lake: &Path, to: &Path) -> PathBuf {
+    let status = Command::new("cp")
+        .arg("-r")
+        .arg(lake)
+        .arg(to)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    to.to_path_buf()
+}
+
+struct Sink {
+    proc: Proc,
+    url: String,
+}
+
+impl Sink {
+    fn start(extra: &[&str]) -> Self {
+        let port = support::free_port();
+        let proc = Proc::spawn({
+            let mut c = sw(Path::new("unused"));
+            c.args(["notify-sink", "--listen", &format!("127.0.0.1:{port}")])
+                .args(extra);
+            c
+        });
+        proc.wait_log("notify-sink listening", Duration::from_secs(30));
+        Self {
+            proc,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn deliveries(&self) -> Value {
+        serde_json::from_str(&get(&format!("{}/v1/deliveries", self.url)).unwrap()).unwrap()
+    }
+
+    fn control(&self, body: &str) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let status = rt.block_on(async {
+            reqwest::Client::new()
+                .post(format!("{}/v1/control", self.url))
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+        });
+        assert!(status.is_success());
+    }
+
+    fn stop(self) {
+        self.proc.terminate();
+    }
+}
+
+fn run_effects(lake: &Path, spec: &Path, provider: &str) -> Command {
+    let mut c = sw(lake);
+    c.args([
+        "effects",
+        "run",
+        "--until-settled",
+        "--settle-timeout",
+        "20s",
+    ])
+    .arg("--spec")
+    .arg(spec)
+    .args(["--provider", provider]);
+    c
+}
+
+fn status(lake: &Path, spec: &Path, namespace: &str) -> Value {
+    let out = ok(sw(lake)
+        .args([
+            "effects",
+            "status",
+            "--format",
+            "json",
+            "--namespace",
+            namespace,
+        ])
+        .arg("--spec")
+        .arg(spec)
+        .output()
+        .unwrap());
+    serde_json::from_str(&out).unwrap()
+}
+
+fn count(status: &Value, state: &str) -> u64 {
+    status["counts"][state].as_u64().unwrap_or(0)
+}
+
+fn shipped_spec() -> PathBuf {
+    support::repo().join("jobs/notifications.toml")
+}
+
+/// Every key delivered once; the delivered keys are exactly the ledger's effects.
+fn assert_exactly_once(sink: &Sink, expected: u64, what: &str) {
+    let d = sink.deliveries();
+    let deliveries = d["deliveries"].as_array().unwrap();
+    let mut keys: Vec<&str> = deliveries
+        .iter()
+        .map(|x| x["key"].as_str().unwrap())
+        .collect();
+    keys.sort_unstable();
+    let n = keys.len();
+    keys.dedup();
+    assert_eq!(n, keys.len(), "{what}: a key delivered twice");
+    assert_eq!(n as u64, expected, "{what}: deliveries");
+    assert_eq!(d["duplicates"], 0, "{what}");
+}
+
+#[test]
+fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let spec = shipped_spec();
+
+    // The reference: an uninterrupted run.
+    let clean = copy(&lake, &dir.path().join("clean"));
+    let sink = Sink::start(&[]);
+    ok(run_effects(&clean, &spec, &sink.url).output().unwrap());
+    let st = status(&clean, &spec, "live");
+    let expected = count(&st, "delivered");
+    assert!(expected > 50, "{st}");
+    assert_exactly_once(&sink, expected, "uninterrupted");
+    // Replaying the same outputs derives the same effect ids: nothing new is sent.
+    ok(run_effects(&clean, &spec, &sink.url).output().unwrap());
+    assert_exactly_once(&sink, expected, "replayed");
+    sink.stop();
+
+    for point in [
+        "before_intent",
+        "during_checkpoint",
+        "after_intent",
+        "during_dispatch",
+        "after_delivery",
+    ] {
+        let lake = copy(&lake, &dir.path().join(point));
+        let sink = Sink::start(&[]);
+        let mut victim = Proc::spawn({
+            let mut c = run_effects(&lake, &spec, &sink.url);
+            c.env("SIGNALWEAVE_EFFECT_FAULT", point);
+            c
+        });
+        victim.wait_log(
+            &format!("fault point {point} reached"),
+            Duration::from_secs(60),
+        );
+        victim.child.kill().unwrap(); // SIGKILL
+        victim.child.wait().unwrap();
+        let before = status(&lake, &spec, "live");
+        match point {
+            "before_intent" | "during_checkpoint" => {
+                assert!(
+                    before["counts"].as_object().unwrap().is_empty(),
+                    "{point}: {before}"
+                );
+            }
+            "after_intent" => assert_eq!(count(&before, "intended"), expected, "{point}"),
+            _ => assert!(count(&before, "dispatching") >= 1, "{point}: {before}"),
+        }
+        let out = ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+        let after = status(&lake, &spec, "live");
+        assert_eq!(
+            count(&after, "delivered"),
+            expected,
+            "{point}: {after} {out}"
+        );
+        assert_exactly_once(&sink, expected, point);
+        sink.stop();
+    }
+}
+
+#[test]
+fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    // The provider neither honours idempotency keys nor answers lookups.
+    let spec = dir.path().join("notifications.toml");
+    std::fs::write(
+        &spec,
+        std::fs::read_to_string(shipped_spec())
+            .unwrap()
+            .replace("provider_lookup = true", "provider_lookup = false")
+            .replace("provider_idempotent = true", "provider_idempotent = false"),
+    )
+    .unwrap();
+    let sink = Sink::start(&["--ignore-idempotency-keys", "--no-lookup"]);
+    let mut victim = Proc::spawn({
+        let mut c = run_effects(&lake, &spec, &sink.url);
+        c.env("SIGNALWEAVE_EFFECT_FAULT", "during_dispatch");
+        c
+    });
+    victim.wait_log(
+        "fault point during_dispatch reached",
+        Duration::from_secs(60),
+    );
+    victim.child.kill().unwrap();
+    victim.child.wait().unwrap();
+    let in_flight = count(&status(&lake, &spec, "live"), "dispatching");
+    assert!(in_flight >= 1);
+    // The restart never resends what was in flight: it is ambiguous.
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    let st = status(&lake, &spec, "live");
+    assert_eq!(count(&st, "ambiguous"), in_flight, "{st}");
+    let delivered_once = sink.deliveries()["deliveries"].as_array().unwrap().len();
+    assert_eq!(sink.deliveries()["duplicates"], 0);
+    // Reconciliation cannot ask this provider: without the operator's resend it leaves
+    // them ambiguous (exit 1); with it, each is sent once more.
+    let o = sw(&lake)
+        .args([
+            "effects",
+            "reconcile",
+            "--format",
+            "json",
+            "--provider",
+            &sink.url,
+        ])
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let o = sw(&lake)
+        .args([
+            "effects",
+            "reconcile",
+            "--format",
+            "json",
+            "--resend-ambiguous",
+            "--provider",
+            &sink.url,
+        ])
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let dups = sink.deliveries()["duplicates"].as_u64().unwrap();
+    assert!(
+        dups <= in_flight,
+        "at most one duplicate per effect in flight"
+    );
+    assert_eq!(r["duplicates_seen_by_provider"], dups, "{r}");
+    assert_eq!(r["ambiguous_left"], 0, "{r}");
+    assert_eq!(o.status.code(), Some(if dups > 0 { 1 } else { 0 }));
+    assert_eq!(
+        sink.deliveries()["deliveries"].as_array().unwrap().len() as u64,
+        delivered_once as u64 + in_flight
+    );
+    sink.stop();
+}
+
+#[test]
+fn a_misbehaving_provider_and_a_backfill_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let spec = shipped_spec();
+    let sink = Sink::start(&[]);
+    // 503 for the first 20 requests, then the answers of 3 accepted requests are held
+    // past the client's timeout: retries and lookups end with each delivered once.
+    sink.control(r#"{"fail_next": 20, "drop_next": 3}"#);
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    let st = status(&lake, &spec, "live");
+    let delivered = count(&st, "delivered");
+    assert!(delivered > 50, "{st}");
+    assert_eq!(st["counts"].as_object().unwrap().len(), 1, "{st}");
+    assert_exactly_once(&sink, delivered, "misbehaving provider");
+    assert!(sink.deliveries()["requests"].as_u64().unwrap() >= delivered + 20);
+    let listed: Value = serde_json::from_str(&ok(sw(&lake)
+        .args([
+            "effects",
+            "status",
+            "--format",
+            "json",
+            "--list",
+            "delivered",
+        ])
+        .output()
+        .unwrap()))
+    .unwrap();
+    let retried = listed["effects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["attempts"].as_i64().unwrap() > 1)
+        .count();
+    assert!(retried >= 16, "503s were retried: {retried}");
+    let horizon = &st["required_retention_s"];
+    assert!(st["retention_s"].as_u64() >= horizon.as_u64(), "{st}");
+
+    // A backfill of the source job: the same spec records would_send, sends nothing.
+    ok(sw(&lake)
+        .args([
+            "backfill",
+            "start",
+            "--job",
+            "customer_features",
+            "--from",
+            "2026-01-01T00:00:00Z",
+            "--to",
+            "2026-01-01T12:00:00Z",
+            "--namespace",
+            "replay",
+            "--quiet",
+        ])
+        .output()
+        .unwrap());
+    let requests = sink.deliveries()["requests"].as_u64().unwrap();
+    ok(sw(&lake)
+        .args(["effects", "run", "--until-settled", "--namespace", "replay"])
+        .output()
+        .unwrap());
+    let bf = status(&lake, &spec, "replay");
+    assert!(count(&bf, "would_send") > 50, "{bf}");
+    assert_eq!(bf["counts"].as_object().unwrap().len(), 1, "{bf}");
+    assert_eq!(sink.deliveries()["requests"].as_u64().unwrap(), requests);
+    sink.stop();
+
+    // Bad input: a classified error.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&spec)
+            .unwrap()
+            .replace("retention = \"8days\"", "retention = \"1h\""),
+    )
+    .unwrap();
+    let o = sw(&lake)
+        .args([
+            "effects",
+            "run",
+            "--until-settled",
+            "--provider",
+            "http://127.0.0.1:9",
+        ])
+        .arg("--spec")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("ledger.retention"));
+    let o = sw(&lake)
+        .args(["effects", "run", "--until-settled"])
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(0));
+}
