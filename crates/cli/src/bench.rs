@@ -166,6 +166,9 @@ pub enum BenchCommand {
         /// Requests in flight.
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
+        /// Effects claimed and settled per ledger transaction.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
     },
     /// Reclaim latency: guard crossed to the backfill at its floor, over repeated crossings.
     Reclaim {
@@ -308,8 +311,9 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
         BenchCommand::Effects {
             effects,
             concurrency,
+            batch,
         } => {
-            return crate::effects::bench(lake, *effects, *concurrency).await;
+            return crate::effects::bench(lake, *effects, *concurrency, *batch).await;
         }
         BenchCommand::Reclaim {
             events,

@@ -463,7 +463,7 @@ pub async fn sink(a: &SinkArgs) -> Result<ExitCode> {
 
 /// `signalweave bench effects`: records `n` intents, serves a sink in this process, and
 /// dispatches them all; prints effects/s and the intent → delivered latency.
-pub async fn bench(lake: Lake, n: u64, concurrency: usize) -> Result<()> {
+pub async fn bench(lake: Lake, n: u64, concurrency: usize, batch: usize) -> Result<()> {
     use signalweave_effects::Intent;
     let ledger = Ledger::open(lake.clone()).await?;
     let job = format!("bench_{}", chrono::Utc::now().timestamp_micros());
@@ -488,10 +488,13 @@ pub async fn bench(lake: Lake, n: u64, concurrency: usize) -> Result<()> {
         })
         .collect();
     let recorded_at = std::time::Instant::now();
-    ledger.commit_intents(&job, "live", None, 1, &intents, false).await?;
+    ledger
+        .commit_intents(&job, "live", None, 1, &intents, false)
+        .await?;
     let record_s = recorded_at.elapsed().as_secs_f64();
     let spec = signalweave_effects::spec::DispatchSpec {
         concurrency,
+        batch,
         ..Default::default()
     };
     let d = Arc::new(Dispatcher::new(ledger.clone(), &job, &url, spec)?);
@@ -506,7 +509,7 @@ pub async fn bench(lake: Lake, n: u64, concurrency: usize) -> Result<()> {
     latency.sort_unstable();
     outln!(
         "effects: {} intents recorded in {record_s:.2} s ({:.0}/s, one transaction); {} delivered in {seconds:.2} s = {:.0} effects/s \
-         (concurrency {concurrency}; {report:?}); intent → delivered p50 {:.3} s, p99 {:.3} s",
+         (concurrency {concurrency}, batch {batch}; {report:?}); intent → delivered p50 {:.3} s, p99 {:.3} s",
         n,
         n as f64 / record_s,
         effects.len(),

@@ -17,7 +17,9 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::error::{EffectError, Result};
-use crate::ledger::{Effect, Ledger, fault_point, state};
+use futures::StreamExt;
+
+use crate::ledger::{Effect, Ledger, Settlement, fault_point, state};
 use crate::spec::DispatchSpec;
 
 /// Header carrying the effect id.
@@ -146,132 +148,113 @@ impl Dispatcher {
     }
 
     /// When the effect may be retried, or None past the deadline.
-    async fn retry_at(&self, effect: &Effect) -> Result<Option<i64>> {
-        let first = self
-            .ledger
-            .first_attempt_ms(&effect.effect_id)
-            .await?
-            .unwrap_or_else(now_ms);
+    fn retry_at(&self, effect: &Effect) -> Option<i64> {
+        let first = effect.first_attempt_ms.unwrap_or_else(now_ms);
         let exp = (effect.attempts.max(1) - 1).min(16) as u32;
         let backoff = self.spec.initial_backoff.as_millis() as i64 * (1i64 << exp);
         let at = now_ms() + backoff.min(10_000);
-        Ok((at <= first + self.spec.deadline.as_millis() as i64).then_some(at))
+        (at <= first + self.spec.deadline.as_millis() as i64).then_some(at)
+    }
+
+    fn settlement(
+        effect: &Effect,
+        attempt: i64,
+        state: &'static str,
+        outcome: &str,
+        http_status: Option<u16>,
+        answer: Option<String>,
+    ) -> Settlement {
+        Settlement {
+            effect_id: effect.effect_id.clone(),
+            attempt,
+            state,
+            outcome: outcome.to_string(),
+            http_status,
+            answer,
+            retry_at_ms: None,
+        }
     }
 
     /// An outcome that was sent but is unknown: ask, retry with the same key, or leave it.
-    async fn resolve_ambiguous(
-        &self,
-        effect: &Effect,
-        attempt: i64,
-        why: &str,
-    ) -> Result<&'static str> {
+    async fn resolve_ambiguous(&self, effect: &Effect, attempt: i64, why: &str) -> Settlement {
         if self.spec.provider_lookup
             && let Some(l) = self.lookup(&effect.effect_id).await
         {
             if l.deliveries > 0 {
-                self.ledger
-                    .settle(
-                        &effect.effect_id,
-                        attempt,
-                        state::DELIVERED,
-                        "delivered (provider lookup)",
-                        None,
-                        l.reference.as_deref().or(Some("")),
-                        None,
-                    )
-                    .await?;
-                return Ok(state::DELIVERED);
+                return Self::settlement(
+                    effect,
+                    attempt,
+                    state::DELIVERED,
+                    "delivered (provider lookup)",
+                    None,
+                    Some(l.reference.unwrap_or_default()),
+                );
             }
             // The provider never received it: sending again cannot duplicate it.
-            return self.schedule_retry(effect, attempt, why).await;
+            return self.retry(effect, attempt, why);
         }
         if self.spec.provider_idempotent && !self.spec.provider_lookup {
-            return self.schedule_retry(effect, attempt, why).await;
+            return self.retry(effect, attempt, why);
         }
-        self.ledger
-            .settle(
-                &effect.effect_id,
+        Self::settlement(
+            effect,
+            attempt,
+            state::AMBIGUOUS,
+            "ambiguous",
+            None,
+            Some(why.into()),
+        )
+    }
+
+    fn retry(&self, effect: &Effect, attempt: i64, why: &str) -> Settlement {
+        match self.retry_at(effect) {
+            Some(at) => Settlement {
+                retry_at_ms: Some(at),
+                ..Self::settlement(
+                    effect,
+                    attempt,
+                    state::INTENDED,
+                    "retry",
+                    None,
+                    Some(why.into()),
+                )
+            },
+            None => Self::settlement(
+                effect,
                 attempt,
-                state::AMBIGUOUS,
-                "ambiguous",
+                state::FAILED,
+                "deadline",
                 None,
-                Some(why),
-                None,
-            )
-            .await?;
-        Ok(state::AMBIGUOUS)
-    }
-
-    async fn schedule_retry(
-        &self,
-        effect: &Effect,
-        attempt: i64,
-        why: &str,
-    ) -> Result<&'static str> {
-        match self.retry_at(effect).await? {
-            Some(at) => {
-                self.ledger
-                    .settle(
-                        &effect.effect_id,
-                        attempt,
-                        state::INTENDED,
-                        "retry",
-                        None,
-                        Some(why),
-                        Some(at),
-                    )
-                    .await?;
-                Ok(state::INTENDED)
-            }
-            None => {
-                self.ledger
-                    .settle(
-                        &effect.effect_id,
-                        attempt,
-                        state::FAILED,
-                        "deadline",
-                        None,
-                        Some(&format!("deadline passed; last: {why}")),
-                        None,
-                    )
-                    .await?;
-                Ok(state::FAILED)
-            }
+                Some(format!("deadline passed; last: {why}")),
+            ),
         }
     }
 
-    async fn dispatch_one(&self, effect: Effect, attempt: i64) -> Result<&'static str> {
+    async fn dispatch_one(&self, effect: Effect, attempt: i64) -> Settlement {
         match self.send(&effect).await {
             Outcome::Delivered(status, answer) => {
                 fault_point("after_delivery");
-                self.ledger
-                    .settle(
-                        &effect.effect_id,
-                        attempt,
-                        state::DELIVERED,
-                        "delivered",
-                        Some(status),
-                        Some(&answer),
-                        None,
-                    )
-                    .await?;
-                Ok(state::DELIVERED)
+                Self::settlement(
+                    &effect,
+                    attempt,
+                    state::DELIVERED,
+                    "delivered",
+                    Some(status),
+                    Some(answer),
+                )
             }
-            Outcome::Refused(status, answer) => {
-                self.ledger
-                    .settle(
-                        &effect.effect_id,
-                        attempt,
-                        state::FAILED,
-                        "refused",
-                        Some(status),
-                        Some(&answer),
-                        None,
-                    )
-                    .await?;
-                Ok(state::FAILED)
-            }
-            Outcome::Retry(why) => self.schedule_retry(&effect, attempt, &why).await,
+            Outcome::Refused(status, answer) => Self::settlement(
+                &effect,
+                attempt,
+                state::FAILED,
+                "refused",
+                Some(status),
+                Some(answer),
+            ),
+            Outcome::Retry(why) => Settlement {
+                http_status: why.get(..3).and_then(|c| c.parse().ok()),
+                ..self.retry(&effect, attempt, &why)
+            },
             Outcome::Ambiguous(why) => self.resolve_ambiguous(&effect, attempt, &why).await,
         }
     }
@@ -280,6 +263,7 @@ impl Dispatcher {
     /// dispatching: one dispatcher runs a job at a time).
     pub async fn recover(&self) -> Result<DispatchReport> {
         let mut report = DispatchReport::default();
+        let mut settled = Vec::new();
         for effect in self
             .ledger
             .effects(&self.job, "live", Some(state::DISPATCHING))
@@ -292,27 +276,31 @@ impl Dispatcher {
                     attempt,
                     "the dispatcher stopped during the attempt",
                 )
-                .await?;
-            report.count(s);
+                .await;
+            report.count(s.state);
+            settled.push(s);
         }
+        self.ledger.settle_all(&settled).await?;
         Ok(report)
     }
 
-    /// One pass: claims the due effects (up to the concurrency) and sends them at once.
+    /// One pass: claims a batch of due effects in one transaction, sends them with at
+    /// most `concurrency` in flight, and settles them in one transaction.
     pub async fn pass(self: &Arc<Self>) -> Result<DispatchReport> {
-        let claimed = self.ledger.claim(&self.job, self.spec.concurrency).await?;
-        let mut tasks = tokio::task::JoinSet::new();
-        for (effect, attempt) in claimed {
-            let me = Arc::clone(self);
-            tasks.spawn(async move { me.dispatch_one(effect, attempt).await });
-        }
+        let claimed = self.ledger.claim(&self.job, self.spec.batch).await?;
+        let settled: Vec<Settlement> = futures::stream::iter(claimed)
+            .map(|(effect, attempt)| {
+                let me = Arc::clone(self);
+                async move { me.dispatch_one(effect, attempt).await }
+            })
+            .buffer_unordered(self.spec.concurrency)
+            .collect()
+            .await;
         let mut report = DispatchReport::default();
-        while let Some(r) = tasks.join_next().await {
-            let s = r.map_err(|e| {
-                EffectError::new(ErrorKind::Internal, format!("dispatch task: {e}"))
-            })??;
-            report.count(s);
+        for s in &settled {
+            report.count(s.state);
         }
+        self.ledger.settle_all(&settled).await?;
         Ok(report)
     }
 

@@ -66,6 +66,27 @@ pub struct Effect {
     pub provider_ref: Option<String>,
     /// Last error.
     pub last_error: Option<String>,
+    /// First attempt, ms.
+    pub first_attempt_ms: Option<i64>,
+}
+
+/// How one dispatch attempt ended, for [`Ledger::settle_all`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    /// Effect.
+    pub effect_id: String,
+    /// Attempt number.
+    pub attempt: i64,
+    /// New state.
+    pub state: &'static str,
+    /// The attempt's outcome.
+    pub outcome: String,
+    /// HTTP status, if answered.
+    pub http_status: Option<u16>,
+    /// The provider's answer (delivered: its reference) or the error.
+    pub answer: Option<String>,
+    /// Back to `intended`, due at this time (ms).
+    pub retry_at_ms: Option<i64>,
 }
 
 /// Effect states.
@@ -249,57 +270,68 @@ impl Ledger {
     }
 
     /// Claims up to `limit` effects of `job` due for dispatch (`intended`, next attempt
-    /// due): each becomes `dispatching` with a new attempt row. Returns them with their
-    /// attempt numbers.
+    /// due), in one transaction: each becomes `dispatching` with a new attempt row.
+    /// Returns them with their attempt numbers.
     pub async fn claim(&self, job: &str, limit: usize) -> Result<Vec<(Effect, i64)>> {
         let now = now_ms();
-        let rows = sqlx::query(&self.sql(
-            "SELECT effect_id FROM sw_effects WHERE catalog_name = $1 AND namespace = 'live' AND job = $2 \
-             AND state = 'intended' AND next_attempt_ms <= $3 ORDER BY created_ms, effect_id LIMIT $4",
-        ))
-        .bind(&self.catalog)
-        .bind(job)
-        .bind(now)
-        .bind(limit as i64)
-        .fetch_all(self.lake.control_pool())
-        .await
-        .map_err(|e| EffectError::sql("find due effects", e))?;
-        let mut claimed = Vec::new();
-        for r in rows {
-            let id: String = r.get(0);
-            let n = sqlx::query(&self.sql(
-                "UPDATE sw_effects SET state = 'dispatching', attempts = attempts + 1, updated_ms = $1, \
-                 first_attempt_ms = COALESCE(first_attempt_ms, $2) \
-                 WHERE catalog_name = $3 AND namespace = 'live' AND effect_id = $4 AND state = 'intended'",
-            ))
-            .bind(now)
-            .bind(now)
-            .bind(&self.catalog)
-            .bind(&id)
-            .execute(self.lake.control_pool())
+        let due = self
+            .list_where(
+                &format!(
+                    "namespace = 'live' AND job = $2 AND state = 'intended' AND next_attempt_ms <= {now} \
+                     ORDER BY created_ms, effect_id LIMIT {limit}"
+                ),
+                &[job],
+            )
+            .await?;
+        if due.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self
+            .lake
+            .control_pool()
+            .begin()
             .await
-            .map_err(|e| EffectError::sql("claim an effect", e))?
-            .rows_affected();
+            .map_err(|e| EffectError::sql("begin a claim", e))?;
+        let update = self.sql(
+            "UPDATE sw_effects SET state = 'dispatching', attempts = attempts + 1, updated_ms = $1, \
+             first_attempt_ms = COALESCE(first_attempt_ms, $2) \
+             WHERE catalog_name = $3 AND namespace = 'live' AND effect_id = $4 AND state = 'intended'",
+        );
+        let attempt_row = self.sql(
+            "INSERT INTO sw_effect_attempts (catalog_name, namespace, effect_id, attempt, started_ms, outcome) \
+             VALUES ($1, 'live', $2, $3, $4, 'sending')",
+        );
+        let mut claimed = Vec::new();
+        for mut effect in due {
+            let n = sqlx::query(&update)
+                .bind(now)
+                .bind(now)
+                .bind(&self.catalog)
+                .bind(&effect.effect_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("claim an effect", e))?
+                .rows_affected();
             if n != 1 {
                 continue;
             }
-            let Some(effect) = self.get("live", &id).await? else {
-                continue;
-            };
+            effect.attempts += 1;
+            effect.state = state::DISPATCHING.into();
+            effect.first_attempt_ms.get_or_insert(now);
+            sqlx::query(&attempt_row)
+                .bind(&self.catalog)
+                .bind(&effect.effect_id)
+                .bind(effect.attempts)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("record an attempt", e))?;
             let attempt = effect.attempts;
-            sqlx::query(&self.sql(
-                "INSERT INTO sw_effect_attempts (catalog_name, namespace, effect_id, attempt, started_ms, outcome) \
-                 VALUES ($1, 'live', $2, $3, $4, 'sending')",
-            ))
-            .bind(&self.catalog)
-            .bind(&id)
-            .bind(attempt)
-            .bind(now)
-            .execute(self.lake.control_pool())
-            .await
-            .map_err(|e| EffectError::sql("record an attempt", e))?;
             claimed.push((effect, attempt));
         }
+        tx.commit()
+            .await
+            .map_err(|e| EffectError::sql("commit a claim", e))?;
         Ok(claimed)
     }
 
@@ -314,8 +346,8 @@ impl Ledger {
     async fn list_where(&self, cond: &str, args: &[&str]) -> Result<Vec<Effect>> {
         let sql = self.sql(&format!(
             "SELECT effect_id, namespace, rule, effect_key, message, state, attempts, trigger_event_us, \
-             created_ms, delivered_ms, provider_ref, last_error FROM sw_effects \
-             WHERE catalog_name = $1 AND {cond} ORDER BY created_ms, effect_id"
+             created_ms, delivered_ms, provider_ref, last_error, first_attempt_ms FROM sw_effects \
+             WHERE catalog_name = $1 AND {cond}"
         ));
         let mut q = sqlx::query(&sql).bind(&self.catalog);
         for a in args {
@@ -340,6 +372,7 @@ impl Ledger {
                 delivered_ms: r.get(9),
                 provider_ref: r.get(10),
                 last_error: r.get(11),
+                first_attempt_ms: r.get(12),
             })
             .collect())
     }
@@ -383,52 +416,59 @@ impl Ledger {
             .collect())
     }
 
-    /// Settles a `dispatching` effect: its new state, and the attempt's outcome. With
-    /// `retry_at_ms`, the effect goes back to `intended`, due then.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn settle(
-        &self,
-        effect_id: &str,
-        attempt: i64,
-        new_state: &str,
-        outcome: &str,
-        http_status: Option<u16>,
-        answer: Option<&str>,
-        retry_at_ms: Option<i64>,
-    ) -> Result<()> {
+    /// Settles `dispatching` effects, in one transaction: each one's new state and its
+    /// attempt's outcome.
+    pub async fn settle_all(&self, settlements: &[Settlement]) -> Result<()> {
+        if settlements.is_empty() {
+            return Ok(());
+        }
         let now = now_ms();
-        let delivered =
-            (new_state == state::DELIVERED || new_state == state::RECONCILED).then_some(now);
-        sqlx::query(&self.sql(
+        let mut tx = self
+            .lake
+            .control_pool()
+            .begin()
+            .await
+            .map_err(|e| EffectError::sql("begin settling", e))?;
+        let effect = self.sql(
             "UPDATE sw_effects SET state = $1, updated_ms = $2, next_attempt_ms = $3, \
              delivered_ms = COALESCE(delivered_ms, $4), provider_ref = COALESCE($5, provider_ref), last_error = $6 \
              WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8",
-        ))
-        .bind(new_state)
-        .bind(now)
-        .bind(retry_at_ms.unwrap_or(now))
-        .bind(delivered)
-        .bind(if delivered.is_some() { answer } else { None })
-        .bind(if delivered.is_some() { None } else { answer })
-        .bind(&self.catalog)
-        .bind(effect_id)
-        .execute(self.lake.control_pool())
-        .await
-        .map_err(|e| EffectError::sql("settle an effect", e))?;
-        sqlx::query(&self.sql(
+        );
+        let attempt = self.sql(
             "UPDATE sw_effect_attempts SET finished_ms = $1, outcome = $2, http_status = $3, answer = $4 \
              WHERE catalog_name = $5 AND namespace = 'live' AND effect_id = $6 AND attempt = $7",
-        ))
-        .bind(now)
-        .bind(outcome)
-        .bind(http_status.map(i64::from))
-        .bind(answer)
-        .bind(&self.catalog)
-        .bind(effect_id)
-        .bind(attempt)
-        .execute(self.lake.control_pool())
-        .await
-        .map_err(|e| EffectError::sql("record an attempt's outcome", e))?;
+        );
+        for st in settlements {
+            let delivered =
+                (st.state == state::DELIVERED || st.state == state::RECONCILED).then_some(now);
+            let answer = st.answer.as_deref();
+            sqlx::query(&effect)
+                .bind(st.state)
+                .bind(now)
+                .bind(st.retry_at_ms.unwrap_or(now))
+                .bind(delivered)
+                .bind(if delivered.is_some() { answer } else { None })
+                .bind(if delivered.is_some() { None } else { answer })
+                .bind(&self.catalog)
+                .bind(&st.effect_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("settle an effect", e))?;
+            sqlx::query(&attempt)
+                .bind(now)
+                .bind(&st.outcome)
+                .bind(st.http_status.map(i64::from))
+                .bind(answer)
+                .bind(&self.catalog)
+                .bind(&st.effect_id)
+                .bind(st.attempt)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("record an attempt's outcome", e))?;
+        }
+        tx.commit()
+            .await
+            .map_err(|e| EffectError::sql("commit the settlements", e))?;
         Ok(())
     }
 
@@ -463,19 +503,6 @@ impl Ledger {
         .map_err(|e| EffectError::sql("move an effect", e))?
         .rows_affected();
         Ok(n == 1)
-    }
-
-    /// The first attempt's time of an effect, ms.
-    pub async fn first_attempt_ms(&self, effect_id: &str) -> Result<Option<i64>> {
-        let row = sqlx::query(&self.sql(
-            "SELECT first_attempt_ms FROM sw_effects WHERE catalog_name = $1 AND namespace = 'live' AND effect_id = $2",
-        ))
-        .bind(&self.catalog)
-        .bind(effect_id)
-        .fetch_optional(self.lake.control_pool())
-        .await
-        .map_err(|e| EffectError::sql("read an effect", e))?;
-        Ok(row.and_then(|r| r.get::<Option<i64>, _>(0)))
     }
 
     /// Deletes settled effects (and their attempts) created before `older_than_ms`.

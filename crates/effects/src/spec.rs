@@ -79,6 +79,11 @@ pub struct DispatchSpec {
     /// Requests in flight at once.
     #[serde(default = "default_concurrency")]
     pub concurrency: usize,
+    /// Effects claimed (made `dispatching`) and settled per ledger transaction. A crash
+    /// leaves at most one batch `dispatching`: asked about at the restart, or ambiguous
+    /// where the provider cannot be asked.
+    #[serde(default = "default_batch")]
+    pub batch: usize,
     /// Whether the provider answers `GET /v1/notifications/{idempotency key}`: an
     /// ambiguous outcome is then resolved by asking, otherwise left for reconciliation.
     #[serde(default = "default_true")]
@@ -102,6 +107,9 @@ fn default_backoff() -> Duration {
 fn default_concurrency() -> usize {
     16
 }
+fn default_batch() -> usize {
+    64
+}
 fn default_true() -> bool {
     true
 }
@@ -113,6 +121,7 @@ impl Default for DispatchSpec {
             deadline: default_deadline(),
             initial_backoff: default_backoff(),
             concurrency: default_concurrency(),
+            batch: default_batch(),
             provider_lookup: true,
             provider_idempotent: true,
         }
@@ -170,10 +179,10 @@ impl NotificationSpec {
                 ));
             }
         }
-        if spec.dispatch.concurrency == 0 {
+        if spec.dispatch.concurrency == 0 || spec.dispatch.batch == 0 {
             return Err(EffectError::new(
                 ErrorKind::InvalidInput,
-                "dispatch.concurrency must be positive",
+                "dispatch.concurrency and dispatch.batch must be positive",
             ));
         }
         Ok(spec)
