@@ -7,6 +7,7 @@
 //! is left `ambiguous`, never resent blindly, and an operator's resend makes at most one
 //! duplicate, counted and reported. A misbehaving provider (503s, answers lost after
 //! accepting) ends with every effect delivered once; a backfill namespace sends nothing.
+//! The ledger runs on Garage with SQLite and PostgreSQL catalogs too.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -23,8 +24,14 @@ use support::cli::{Proc, get, ok, sw};
 /// live job run until caught up.
 fn landed(dir: &Path) -> PathBuf {
     let lake = dir.join("lake");
+    land_in(&lake, dir);
+    lake
+}
+
+/// [`landed`] into `lake` (a directory or a profile).
+fn land_in(lake: &Path, dir: &Path) {
     let file = dir.join("events.ndjson");
-    ok(sw(&lake)
+    ok(sw(lake)
         .args(["fixtures", "generate", "--out"])
         .arg(&file)
         .args([
@@ -37,13 +44,13 @@ fn landed(dir: &Path) -> PathBuf {
         ])
         .output()
         .unwrap());
-    ok(sw(&lake)
+    ok(sw(lake)
         .arg("load")
         .arg(&file)
         .args(["--chunk-records", "1000"])
         .output()
         .unwrap());
-    ok(sw(&lake)
+    ok(sw(lake)
         .args([
             "run",
             "--job",
@@ -52,7 +59,6 @@ fn landed(dir: &Path) -> PathBuf {
         ])
         .output()
         .unwrap());
-    lake
 }
 
 /// A copy of `lake` (the ledger lives in its catalog database).
@@ -412,4 +418,41 @@ fn a_misbehaving_provider_and_a_backfill_namespace() {
         .output()
         .unwrap();
     assert_ne!(o.status.code(), Some(0));
+}
+
+#[test]
+fn the_ledger_works_on_s3_with_sqlite_and_postgresql_catalogs() {
+    for (b, lake) in support::s3_backends() {
+        land_in(&lake, b.dir.path());
+        let spec = shipped_spec();
+        let sink = Sink::start(&[]);
+        let mut victim = Proc::spawn({
+            let mut c = run_effects(&lake, &spec, &sink.url);
+            c.env("SIGNALWEAVE_EFFECT_FAULT", "during_dispatch");
+            c
+        });
+        victim.wait_log(
+            "fault point during_dispatch reached",
+            Duration::from_secs(120),
+        );
+        victim.child.kill().unwrap();
+        victim.child.wait().unwrap();
+        assert!(
+            count(&status(&lake, &spec, "live"), "dispatching") >= 1,
+            "{}",
+            b.name
+        );
+        ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+        let st = status(&lake, &spec, "live");
+        let delivered = count(&st, "delivered");
+        assert!(delivered > 50, "{}: {st}", b.name);
+        assert_eq!(
+            st["counts"].as_object().unwrap().len(),
+            1,
+            "{}: {st}",
+            b.name
+        );
+        assert_exactly_once(&sink, delivered, b.name);
+        sink.stop();
+    }
 }
