@@ -136,6 +136,21 @@ fn run_effects(lake: &Path, spec: &Path, provider: &str) -> Command {
     c
 }
 
+/// Runs `effects run` until it stops at the fault `point`, then kills it with SIGKILL.
+fn crash_at(lake: &Path, spec: &Path, provider: &str, point: &str) {
+    let mut victim = Proc::spawn({
+        let mut c = run_effects(lake, spec, provider);
+        c.env("SIGNALWEAVE_EFFECT_FAULT", point);
+        c
+    });
+    victim.wait_log(
+        &format!("fault point {point} reached"),
+        Duration::from_secs(120),
+    );
+    victim.child.kill().unwrap(); // SIGKILL
+    victim.child.wait().unwrap();
+}
+
 fn status(lake: &Path, spec: &Path, namespace: &str) -> Value {
     let out = ok(sw(lake)
         .args([
@@ -205,17 +220,7 @@ fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
     ] {
         let lake = copy(&lake, &dir.path().join(point));
         let sink = Sink::start(&[]);
-        let mut victim = Proc::spawn({
-            let mut c = run_effects(&lake, &spec, &sink.url);
-            c.env("SIGNALWEAVE_EFFECT_FAULT", point);
-            c
-        });
-        victim.wait_log(
-            &format!("fault point {point} reached"),
-            Duration::from_secs(60),
-        );
-        victim.child.kill().unwrap(); // SIGKILL
-        victim.child.wait().unwrap();
+        crash_at(&lake, &spec, &sink.url, point);
         let before = status(&lake, &spec, "live");
         match point {
             "before_intent" | "during_checkpoint" => {
@@ -254,17 +259,7 @@ fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reporte
     )
     .unwrap();
     let sink = Sink::start(&["--ignore-idempotency-keys", "--no-lookup"]);
-    let mut victim = Proc::spawn({
-        let mut c = run_effects(&lake, &spec, &sink.url);
-        c.env("SIGNALWEAVE_EFFECT_FAULT", "during_dispatch");
-        c
-    });
-    victim.wait_log(
-        "fault point during_dispatch reached",
-        Duration::from_secs(60),
-    );
-    victim.child.kill().unwrap();
-    victim.child.wait().unwrap();
+    crash_at(&lake, &spec, &sink.url, "during_dispatch");
     let in_flight = count(&status(&lake, &spec, "live"), "dispatching");
     assert!(in_flight >= 1);
     // The restart never resends what was in flight: it is ambiguous.
@@ -426,17 +421,7 @@ fn the_ledger_works_on_s3_with_sqlite_and_postgresql_catalogs() {
         land_in(&lake, b.dir.path());
         let spec = shipped_spec();
         let sink = Sink::start(&[]);
-        let mut victim = Proc::spawn({
-            let mut c = run_effects(&lake, &spec, &sink.url);
-            c.env("SIGNALWEAVE_EFFECT_FAULT", "during_dispatch");
-            c
-        });
-        victim.wait_log(
-            "fault point during_dispatch reached",
-            Duration::from_secs(120),
-        );
-        victim.child.kill().unwrap();
-        victim.child.wait().unwrap();
+        crash_at(&lake, &spec, &sink.url, "during_dispatch");
         assert!(
             count(&status(&lake, &spec, "live"), "dispatching") >= 1,
             "{}",
