@@ -352,6 +352,47 @@ fn a_misbehaving_provider_and_a_backfill_namespace() {
     let horizon = &st["required_retention_s"];
     assert!(st["retention_s"].as_u64() >= horizon.as_u64(), "{st}");
 
+    // One runner per job and namespace: a second one is refused while the first holds
+    // the lease; a clean stop gives it up at once.
+    let first = Proc::spawn({
+        let mut c = sw(&lake);
+        c.args(["effects", "run", "--provider", &sink.url]);
+        c
+    });
+    first.wait_log("effects: notifications", Duration::from_secs(60));
+    let o = sw(&lake)
+        .args([
+            "effects",
+            "run",
+            "--until-settled",
+            "--lease-wait",
+            "1s",
+            "--provider",
+            &sink.url,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("one runner at a time"));
+    first.terminate();
+    ok(sw(&lake)
+        .args([
+            "effects",
+            "run",
+            "--until-settled",
+            "--lease-wait",
+            "1s",
+            "--provider",
+            &sink.url,
+        ])
+        .output()
+        .unwrap());
+
     // A backfill of the source job: the same spec records would_send, sends nothing.
     ok(sw(&lake)
         .args([

@@ -67,7 +67,14 @@ pub struct RunArgs {
     /// See `--until-settled`.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub settle_timeout: Duration,
+    /// How long to wait for the lease of a runner that stopped without giving it up (its
+    /// lease lapses 5 s after its last heartbeat).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    pub lease_wait: Duration,
 }
+
+/// A runner's lease lapses this long after its last renewal.
+const LEASE_TTL: Duration = Duration::from_secs(5);
 
 /// Options of `effects status` and `expire`.
 #[derive(Debug, Args)]
@@ -152,11 +159,62 @@ pub async fn run(lake: Lake, cmd: &EffectsCommand) -> Result<ExitCode> {
 
 async fn run_job(lake: Lake, ledger: Ledger, a: &RunArgs) -> Result<ExitCode> {
     let (spec, source) = load(&lake, &a.target).await?;
+    // One runner per job and namespace: a second one would resolve the first one's
+    // requests in flight as ambiguous.
+    let owner = format!("effects-{}-{}", std::process::id(), uuid::Uuid::new_v4());
+    let (job, ns) = (spec.name.clone(), a.target.namespace.clone());
+    let waited = std::time::Instant::now();
+    loop {
+        match ledger.lease(&job, &ns, &owner, LEASE_TTL).await {
+            Ok(()) => break,
+            Err(e)
+                if e.kind() == signalweave_model::ErrorKind::Conflict
+                    && waited.elapsed() < a.lease_wait =>
+            {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let heartbeat = {
+        let (ledger, job, ns, owner, lost) = (
+            ledger.clone(),
+            job.clone(),
+            ns.clone(),
+            owner.clone(),
+            Arc::clone(&lost),
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if let Err(e) = ledger.lease(&job, &ns, &owner, LEASE_TTL).await {
+                    eprintln!("lost the lease: {e}");
+                    lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+            }
+        })
+    };
+    let result = run_leased(&lake, &ledger, a, &spec, &source, &lost).await;
+    heartbeat.abort();
+    ledger.release(&job, &ns, &owner).await?;
+    result
+}
+
+async fn run_leased(
+    lake: &Lake,
+    ledger: &Ledger,
+    a: &RunArgs,
+    spec: &Arc<NotificationSpec>,
+    source: &JobSpec,
+    lost: &std::sync::atomic::AtomicBool,
+) -> Result<ExitCode> {
     let notifier = Notifier::new(
         lake.clone(),
         ledger.clone(),
-        Arc::clone(&spec),
-        &source,
+        Arc::clone(spec),
+        source,
         &a.target.namespace,
     )
     .await?;
@@ -198,6 +256,16 @@ async fn run_job(lake: Lake, ledger: Ledger, a: &RunArgs) -> Result<ExitCode> {
         }
     });
     loop {
+        if lost.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(signalweave_effects::EffectError::new(
+                signalweave_model::ErrorKind::Conflict,
+                format!(
+                    "stopped: the lease of {} ({}) was lost",
+                    spec.name, a.target.namespace
+                ),
+            )
+            .into());
+        }
         let step = notifier.step(a.max_snapshots_per_step).await?;
         if let Some(d) = &dispatcher {
             d.pass().await?;

@@ -149,6 +149,9 @@ impl Ledger {
             "CREATE TABLE IF NOT EXISTS sw_effect_positions (catalog_name VARCHAR(255) NOT NULL, \
              job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, position BIGINT NOT NULL, \
              updated_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace))",
+            "CREATE TABLE IF NOT EXISTS sw_effect_leases (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, owner VARCHAR(255) NOT NULL, \
+             lease_until_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace))",
         ] {
             sqlx::query(ddl)
                 .execute(lake.control_pool())
@@ -160,6 +163,84 @@ impl Ledger {
 
     fn sql(&self, s: &str) -> String {
         self.lake.control_sql(s)
+    }
+
+    /// Takes or renews the lease of (job, namespace) for `owner` until `ttl` from now: one
+    /// runner (notifier and dispatcher) per job and namespace. Fails with `Conflict`,
+    /// naming the holder, while another owner's lease has not expired.
+    pub async fn lease(
+        &self,
+        job: &str,
+        namespace: &str,
+        owner: &str,
+        ttl: std::time::Duration,
+    ) -> Result<()> {
+        let now = now_ms();
+        let until = now + ttl.as_millis() as i64;
+        sqlx::query(&self.sql(
+            "INSERT INTO sw_effect_leases (catalog_name, job, namespace, owner, lease_until_ms) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (catalog_name, job, namespace) DO NOTHING",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .bind(owner)
+        .bind(until)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("create a lease", e))?;
+        let n = sqlx::query(&self.sql(
+            "UPDATE sw_effect_leases SET owner = $1, lease_until_ms = $2 \
+             WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND (owner = $6 OR lease_until_ms < $7)",
+        ))
+        .bind(owner)
+        .bind(until)
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .bind(owner)
+        .bind(now)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("take the lease", e))?
+        .rows_affected();
+        if n == 1 {
+            return Ok(());
+        }
+        let holder = sqlx::query(&self.sql(
+            "SELECT owner, lease_until_ms FROM sw_effect_leases WHERE catalog_name = $1 AND job = $2 AND namespace = $3",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .fetch_optional(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("read the lease", e))?
+        .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1)));
+        let (who, until) = holder.unwrap_or_default();
+        Err(EffectError::new(
+            ErrorKind::Conflict,
+            format!(
+                "{job} ({namespace}) is run by {who} (lease for {} ms more): one runner at a time",
+                (until - now).max(0)
+            ),
+        ))
+    }
+
+    /// Gives the lease up (a clean stop), so the next runner need not wait for it.
+    pub async fn release(&self, job: &str, namespace: &str, owner: &str) -> Result<()> {
+        sqlx::query(&self.sql(
+            "UPDATE sw_effect_leases SET lease_until_ms = 0 \
+             WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND owner = $4",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(namespace)
+        .bind(owner)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("release the lease", e))?;
+        Ok(())
     }
 
     /// The notifier's position for (job, namespace): the last output snapshot read.
