@@ -482,3 +482,57 @@ fn the_ledger_works_on_s3_with_sqlite_and_postgresql_catalogs() {
         sink.stop();
     }
 }
+
+#[test]
+fn up_runs_notifications_beside_the_live_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    // The synthetic producer's orders rarely reach the shipped threshold in 10 minutes.
+    let spec = dir.path().join("notifications.toml");
+    std::fs::write(
+        &spec,
+        std::fs::read_to_string(shipped_spec())
+            .unwrap()
+            .replace("threshold = 1000000", "threshold = 100000"),
+    )
+    .unwrap();
+    let sink = Sink::start(&[]);
+    let (gw, serve) = (support::free_port(), support::free_port());
+    let up = Proc::spawn({
+        let mut c = sw(&lake);
+        c.args(["up", "--job", "jobs/customer_features.toml"])
+            .args(["--poll-interval", "300ms"])
+            .args(["--gateway-listen", &format!("127.0.0.1:{gw}")])
+            .args(["--serve-listen", &format!("127.0.0.1:{serve}")])
+            .arg("--notify")
+            .arg(&spec)
+            .args(["--notify-provider", &sink.url]);
+        c
+    });
+    up.wait_log("signalweave up:", Duration::from_secs(60));
+    ok(sw(&lake)
+        .args(["produce", "--url", &format!("http://127.0.0.1:{gw}")])
+        .args([
+            "--rate",
+            "1000",
+            "--duration",
+            "5s",
+            "--producer-id",
+            "notify-test",
+        ])
+        .output()
+        .unwrap());
+    support::cli::wait_until("notifications delivered", Duration::from_secs(90), || {
+        sink.deliveries()["deliveries"].as_array().unwrap().len() > 10
+    });
+    up.terminate();
+    let st = status(&lake, &spec, "live");
+    let delivered = count(&st, "delivered");
+    assert!(delivered > 10, "{st}");
+    assert_eq!(count(&st, "ambiguous") + count(&st, "failed"), 0, "{st}");
+    // Whatever was still intended at the stop is sent by the next runner, once.
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    let st = status(&lake, &spec, "live");
+    assert_exactly_once(&sink, count(&st, "delivered"), "up");
+    sink.stop();
+}

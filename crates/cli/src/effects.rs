@@ -140,7 +140,9 @@ async fn load(lake: &Lake, t: &SpecArgs) -> Result<(Arc<NotificationSpec>, Arc<J
 pub async fn run(lake: Lake, cmd: &EffectsCommand) -> Result<ExitCode> {
     let ledger = Ledger::open(lake.clone()).await?;
     match cmd {
-        EffectsCommand::Run(a) => run_job(lake, ledger, a).await,
+        EffectsCommand::Run(a) => {
+            run_job(lake, ledger, a, Box::pin(crate::ingest::shutdown_signal())).await
+        }
         EffectsCommand::Status(a) => status(&lake, &ledger, a).await,
         EffectsCommand::Reconcile(a) => reconcile(&lake, &ledger, a).await,
         EffectsCommand::Expire(a) => {
@@ -157,7 +159,36 @@ pub async fn run(lake: Lake, cmd: &EffectsCommand) -> Result<ExitCode> {
     }
 }
 
-async fn run_job(lake: Lake, ledger: Ledger, a: &RunArgs) -> Result<ExitCode> {
+/// A future that ends the runner.
+pub type Stop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Runs a notification job on the live namespace beside `signalweave up`'s jobs, until
+/// `stop`: `spec` through `provider`.
+pub async fn run_beside_up(
+    lake: Lake,
+    spec: PathBuf,
+    provider: String,
+    poll_interval: Duration,
+    stop: Stop,
+) -> Result<ExitCode> {
+    let ledger = Ledger::open(lake.clone()).await?;
+    let args = RunArgs {
+        target: SpecArgs {
+            spec,
+            jobs_dir: PathBuf::from("jobs"),
+            namespace: "live".into(),
+        },
+        provider: Some(provider),
+        poll_interval,
+        max_snapshots_per_step: 32,
+        until_settled: false,
+        settle_timeout: Duration::from_secs(30),
+        lease_wait: Duration::from_secs(10),
+    };
+    run_job(lake, ledger, &args, stop).await
+}
+
+async fn run_job(lake: Lake, ledger: Ledger, a: &RunArgs, stop: Stop) -> Result<ExitCode> {
     let (spec, source) = load(&lake, &a.target).await?;
     // One runner per job and namespace: a second one would resolve the first one's
     // requests in flight as ambiguous.
@@ -196,7 +227,7 @@ async fn run_job(lake: Lake, ledger: Ledger, a: &RunArgs) -> Result<ExitCode> {
             }
         })
     };
-    let result = run_leased(&lake, &ledger, a, &spec, &source, &lost).await;
+    let result = run_leased(&lake, &ledger, a, &spec, &source, &lost, stop).await;
     heartbeat.abort();
     ledger.release(&job, &ns, &owner).await?;
     result
@@ -209,6 +240,7 @@ async fn run_leased(
     spec: &Arc<NotificationSpec>,
     source: &JobSpec,
     lost: &std::sync::atomic::AtomicBool,
+    mut stop: Stop,
 ) -> Result<ExitCode> {
     let notifier = Notifier::new(
         lake.clone(),
@@ -247,14 +279,6 @@ async fn run_leased(
             ""
         }
     );
-    let mut stop = Box::pin(async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
-        }
-    });
     loop {
         if lost.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(signalweave_effects::EffectError::new(
@@ -517,15 +541,7 @@ pub async fn sink(a: &SinkArgs) -> Result<ExitCode> {
         lookup: !a.no_lookup,
     };
     eprintln!("notify-sink listening on http://{addr} ({config:?})");
-    signalweave_effects::sink::serve(listener, config, async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
-        }
-    })
-    .await?;
+    signalweave_effects::sink::serve(listener, config, crate::ingest::shutdown_signal()).await?;
     Ok(ExitCode::SUCCESS)
 }
 

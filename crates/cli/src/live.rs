@@ -116,6 +116,13 @@ pub struct UpArgs {
     /// gateway maintains `events` and `rejections` itself); 0s turns it off.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
     pub maintain_every: Duration,
+    /// Also run this notification job (for example `jobs/notifications.toml`) on the live
+    /// outputs, sending through `--notify-provider`.
+    #[arg(long, requires = "notify_provider")]
+    pub notify: Option<PathBuf>,
+    /// The notification provider (`http://host:port`).
+    #[arg(long, requires = "notify")]
+    pub notify_provider: Option<String>,
 }
 
 /// Options of `signalweave status`.
@@ -361,6 +368,17 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
             maintenance_stopped,
         ))
     });
+    let (stop_notify, notify_stopped) = stop_signal();
+    let notifications = match (&args.notify, &args.notify_provider) {
+        (Some(spec), Some(provider)) => Some(tokio::spawn(crate::effects::run_beside_up(
+            lake.clone(),
+            spec.clone(),
+            provider.clone(),
+            args.jobs.poll_interval,
+            Box::pin(notify_stopped),
+        ))),
+        _ => None,
+    };
     eprintln!(
         "signalweave up: gateway http://{} · serving http://{} · {} job(s) · lake {}",
         gateway.addr,
@@ -375,6 +393,16 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
     // The jobs read what the gateway committed last, then stop.
     tokio::time::sleep(args.jobs.poll_interval * 2).await;
     jobs.stop().await?;
+    // Notifications read the last outputs, then stop (their lease given up).
+    tokio::time::sleep(args.jobs.poll_interval * 2).await;
+    let _ = stop_notify.send(true);
+    if let Some(n) = notifications {
+        match n.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => eprintln!("notifications stopped with an error: {e:#}"),
+            Err(e) => eprintln!("notifications task failed: {e}"),
+        }
+    }
     serving.stop().await;
     if let Some(m) = maintenance {
         let _ = m.await;
