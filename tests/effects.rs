@@ -360,18 +360,21 @@ fn a_misbehaving_provider_and_a_backfill_namespace() {
         c
     });
     first.wait_log("effects: notifications", Duration::from_secs(60));
-    let o = sw(&lake)
-        .args([
-            "effects",
-            "run",
-            "--until-settled",
-            "--lease-wait",
-            "1s",
-            "--provider",
-            &sink.url,
-        ])
-        .output()
-        .unwrap();
+    let second = || {
+        sw(&lake)
+            .args([
+                "effects",
+                "run",
+                "--until-settled",
+                "--lease-wait",
+                "1s",
+                "--provider",
+                &sink.url,
+            ])
+            .output()
+            .unwrap()
+    };
+    let o = second();
     assert_eq!(
         o.status.code(),
         Some(3),
@@ -380,18 +383,7 @@ fn a_misbehaving_provider_and_a_backfill_namespace() {
     );
     assert!(String::from_utf8_lossy(&o.stderr).contains("one runner at a time"));
     first.terminate();
-    ok(sw(&lake)
-        .args([
-            "effects",
-            "run",
-            "--until-settled",
-            "--lease-wait",
-            "1s",
-            "--provider",
-            &sink.url,
-        ])
-        .output()
-        .unwrap());
+    ok(second());
 
     // A backfill of the source job: the same spec records would_send, sends nothing.
     ok(sw(&lake)

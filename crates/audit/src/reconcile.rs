@@ -860,8 +860,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         get(&counted_check, 1),
         get(&counted_check, 2),
     );
-    // Counted records none of whose windows is in the range (cannot happen with an
-    // aligned range; kept so the sum always holds).
+    // Counted records none of whose windows starts in the range (a session that began
+    // before `from`): counted, not compared.
     let counted_unchecked =
         class("counted").saturating_sub(counted_bad + counted_pending + counted_ok);
 

@@ -416,14 +416,6 @@ impl Ledger {
         Ok(claimed)
     }
 
-    /// One effect.
-    pub async fn get(&self, namespace: &str, effect_id: &str) -> Result<Option<Effect>> {
-        let rows = self
-            .list_where("namespace = $2 AND effect_id = $3", &[namespace, effect_id])
-            .await?;
-        Ok(rows.into_iter().next())
-    }
-
     async fn list_where(&self, cond: &str, args: &[&str]) -> Result<Vec<Effect>> {
         let sql = self.sql(&format!(
             "SELECT effect_id, namespace, rule, effect_key, message, state, attempts, trigger_event_us, \

@@ -41,10 +41,6 @@ pub struct Notifier {
     namespace: String,
 }
 
-fn now_us() -> i64 {
-    chrono::Utc::now().timestamp_micros()
-}
-
 impl Notifier {
     /// A notifier of `spec` reading `source`'s outputs in `namespace` (`live`, or a
     /// backfill's). Checks the ledger's retention against the source's horizons.
@@ -207,7 +203,7 @@ impl Notifier {
             )
             .await?;
         fault_point("after_intent");
-        tracing::debug!(job = %self.spec.name, namespace = %self.namespace, ?report, at = now_us(), "notifier step");
+        tracing::debug!(job = %self.spec.name, namespace = %self.namespace, ?report, "notifier step");
         Ok(report)
     }
 }
