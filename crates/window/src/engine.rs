@@ -161,11 +161,32 @@ pub(crate) struct WindowMeta {
     pub dirty: bool,
 }
 
-/// A pane: its accumulator slot range in the slab and whether it changed since the last fire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct PaneRef {
+/// A pane of one key: its start (pane index), its accumulator slot range in the slab, and
+/// whether it changed since the last fire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pane {
+    pub start: i64,
     pub slab: u32,
     pub dirty: bool,
+}
+
+/// A tumbling or sliding window of one key: its start (pane index) and its bookkeeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Window {
+    pub start: i64,
+    pub meta: WindowMeta,
+}
+
+/// Finds `start` in a list sorted by start: `Ok(index)`, or `Err(insertion point)`.
+/// Records mostly arrive in time order, so the newest entry is tried first.
+#[inline]
+pub(crate) fn seek<T>(list: &[T], start: i64, of: impl Fn(&T) -> i64) -> Result<usize, usize> {
+    match list.last().map(&of) {
+        None => Err(0),
+        Some(last) if last < start => Err(list.len()),
+        Some(last) if last == start => Ok(list.len() - 1),
+        Some(_) => list.binary_search_by_key(&start, of),
+    }
 }
 
 /// One session of one key.
@@ -235,10 +256,13 @@ pub struct WindowEngine {
     pub(crate) key_ids: FxHashMap<Box<str>, u32>,
     pub(crate) key_names: Vec<Box<str>>,
     pub(crate) key_group: Vec<u16>,
-    pub(crate) panes: FxHashMap<(u32, i64), PaneRef>,
+    /// Tumbling and sliding windows: per key id, its panes and its windows, each sorted by
+    /// start (dense by key id, so a record or an emission finds its key's state with one
+    /// index and its panes side by side; empty for session jobs).
+    pub(crate) key_panes: Vec<Vec<Pane>>,
+    pub(crate) key_windows: Vec<Vec<Window>>,
     pub(crate) slab: Vec<i64>,
     pub(crate) free: Vec<u32>,
-    pub(crate) windows: FxHashMap<(u32, i64), WindowMeta>,
     pub(crate) sessions: FxHashMap<u32, BTreeMap<i64, Session>>,
     /// Per key, the end of the latest retired session: records before it are late, so a
     /// retired session is never recreated.
@@ -310,10 +334,10 @@ impl WindowEngine {
             key_ids: FxHashMap::default(),
             key_names: Vec::new(),
             key_group: Vec::new(),
-            panes: FxHashMap::default(),
+            key_panes: Vec::new(),
+            key_windows: Vec::new(),
             slab: Vec::new(),
             free: Vec::new(),
-            windows: FxHashMap::default(),
             sessions: FxHashMap::default(),
             session_frontier: FxHashMap::default(),
             timers: BTreeMap::new(),
@@ -399,6 +423,10 @@ impl WindowEngine {
         self.key_ids.insert(key.into(), id);
         self.key_names.push(key.into());
         self.key_group.push(kg);
+        if !self.is_session() {
+            self.key_panes.push(Vec::new());
+            self.key_windows.push(Vec::new());
+        }
         id
     }
 
@@ -656,8 +684,10 @@ impl WindowEngine {
             return false;
         }
         let stride = self.layout.stride;
-        match self.panes.get_mut(&(key, pane)) {
-            Some(p) => {
+        let panes = &mut self.key_panes[key as usize];
+        match seek(panes, pane, |p| p.start) {
+            Ok(i) => {
+                let p = &mut panes[i];
                 let base = p.slab as usize * stride;
                 self.layout
                     .merge(&mut self.slab[base..base + stride], delta);
@@ -666,59 +696,62 @@ impl WindowEngine {
                     self.dirty_panes.push((key, pane));
                 }
             }
-            None => {
+            Err(i) => {
                 let slab = match self.free.pop() {
-                    Some(i) => {
-                        let base = i as usize * stride;
+                    Some(s) => {
+                        let base = s as usize * stride;
                         self.slab[base..base + stride].copy_from_slice(delta);
-                        i
+                        s
                     }
                     None => {
-                        let i = (self.slab.len() / stride) as u32;
+                        let s = (self.slab.len() / stride) as u32;
                         self.slab.extend_from_slice(delta);
-                        i
+                        s
                     }
                 };
-                self.panes
-                    .insert((key, pane), PaneRef { slab, dirty: true });
+                panes.insert(
+                    i,
+                    Pane {
+                        start: pane,
+                        slab,
+                        dirty: true,
+                    },
+                );
                 self.dirty_panes.push((key, pane));
+                let windows = &mut self.key_windows[key as usize];
                 for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
-                    if self.windows.contains_key(&(key, w)) {
+                    let Err(at) = seek(windows, w, |w| w.start) else {
                         continue;
-                    }
-                    let (_, end) = self.window_bounds(w);
+                    };
+                    let end = w
+                        .saturating_mul(self.pane_us)
+                        .saturating_add(self.pane_us.saturating_mul(self.panes_per_window));
                     let retire_at = end.saturating_add(self.lateness_us);
                     if wm >= retire_at {
                         continue;
                     }
                     let closed = wm >= end;
-                    self.windows.insert(
-                        (key, w),
-                        WindowMeta {
-                            version: 0,
-                            closed,
-                            dirty: false,
+                    windows.insert(
+                        at,
+                        Window {
+                            start: w,
+                            meta: WindowMeta {
+                                version: 0,
+                                closed,
+                                dirty: false,
+                            },
                         },
                     );
-                    if closed {
-                        self.schedule(
-                            retire_at,
-                            Timer {
-                                key,
-                                start: w,
-                                kind: TimerKind::Retire,
-                            },
-                        );
+                    let (at, kind) = if closed {
+                        (retire_at, TimerKind::Retire)
                     } else {
-                        self.schedule(
-                            end,
-                            Timer {
-                                key,
-                                start: w,
-                                kind: TimerKind::OnTime,
-                            },
-                        );
-                    }
+                        (end, TimerKind::OnTime)
+                    };
+                    self.timers.entry(at).or_default().push(Timer {
+                        key,
+                        start: w,
+                        kind,
+                    });
                 }
             }
         }
@@ -839,18 +872,20 @@ impl WindowEngine {
         // 1. Changed panes mark their windows.
         let dirty = std::mem::take(&mut self.dirty_panes);
         for (key, pane) in dirty {
-            if let Some(p) = self.panes.get_mut(&(key, pane)) {
-                p.dirty = false;
+            let panes = &mut self.key_panes[key as usize];
+            if let Ok(i) = seek(panes, pane, |p| p.start) {
+                panes[i].dirty = false;
             }
-            for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
-                if let Some(meta) = self.windows.get_mut(&(key, w))
-                    && !meta.dirty
-                {
-                    meta.dirty = true;
-                    if meta.closed {
-                        self.correction_queue.push((key, w));
+            let windows = &mut self.key_windows[key as usize];
+            let first = pane.saturating_sub(self.panes_per_window - 1);
+            let from = windows.partition_point(|w| w.start < first);
+            for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
+                if !w.meta.dirty {
+                    w.meta.dirty = true;
+                    if w.meta.closed {
+                        self.correction_queue.push((key, w.start));
                     } else {
-                        self.early_queue.push((key, w));
+                        self.early_queue.push((key, w.start));
                     }
                 }
             }
@@ -950,7 +985,7 @@ impl WindowEngine {
         }
         match kind {
             TimerKind::OnTime => {
-                if !self.windows.contains_key(&(key, start)) {
+                if seek(&self.key_windows[key as usize], start, |w| w.start).is_err() {
                     return;
                 }
                 self.emit(key, start, Completeness::OnTime, wm, now, out);
@@ -966,10 +1001,14 @@ impl WindowEngine {
             }
             TimerKind::Retire => {
                 self.emit(key, start, Completeness::Corrected, wm, now, out);
-                self.windows.remove(&(key, start));
+                let windows = &mut self.key_windows[key as usize];
+                if let Ok(i) = seek(windows, start, |w| w.start) {
+                    windows.remove(i);
+                }
                 // Pane `start` belongs to no younger window than this one: it is done.
-                if let Some(p) = self.panes.remove(&(key, start)) {
-                    self.free.push(p.slab);
+                let panes = &mut self.key_panes[key as usize];
+                if let Ok(i) = seek(panes, start, |p| p.start) {
+                    self.free.push(panes.remove(i).slab);
                 }
             }
         }
@@ -992,18 +1031,20 @@ impl WindowEngine {
             (s.acc.clone(), &mut s.meta, (start, s.end))
         } else {
             let bounds = self.window_bounds(start);
-            let mut acc = self.layout.empty();
-            let stride = self.layout.stride;
-            for p in start..start.saturating_add(self.panes_per_window) {
-                if let Some(pane) = self.panes.get(&(key, p)) {
-                    let base = pane.slab as usize * stride;
-                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
-                }
-            }
-            let Some(meta) = self.windows.get_mut(&(key, start)) else {
+            let windows = &mut self.key_windows[key as usize];
+            let Ok(i) = seek(windows, start, |w| w.start) else {
                 return;
             };
-            (acc, meta, bounds)
+            let mut acc = self.layout.empty();
+            let stride = self.layout.stride;
+            let panes = &self.key_panes[key as usize];
+            let end = start.saturating_add(self.panes_per_window);
+            let from = panes.partition_point(|p| p.start < start);
+            for pane in panes[from..].iter().take_while(|p| p.start < end) {
+                let base = pane.slab as usize * stride;
+                self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+            }
+            (acc, &mut windows[i].meta, bounds)
         };
         match completeness {
             // The on-time version is the completeness transition of an open window.

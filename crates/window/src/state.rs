@@ -13,7 +13,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
-use crate::engine::{EngineConfig, PaneRef, Session, Timer, TimerKind, WindowEngine, WindowMeta};
+use crate::engine::{
+    EngineConfig, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
+};
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
 use crate::spec::JobSpec;
@@ -157,12 +159,15 @@ impl WindowEngine {
         let ((pane_keys, pane_starts, pane_dirty, slab), (window_cols, timer_cols)) =
             std::thread::scope(|scope| {
                 let windows_and_timers = scope.spawn(|| {
-                    let mut windows: Vec<(u32, i64, WindowMeta)> = self
-                        .windows
+                    // Key ids map to new ids in the same order and each key's list is
+                    // sorted: the columns come out sorted by (key, start).
+                    let windows: Vec<(u32, i64, WindowMeta)> = self
+                        .key_windows
                         .iter()
-                        .filter_map(|((k, w), m)| remap(*k).map(|k| (k, *w, *m)))
+                        .enumerate()
+                        .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
+                        .flat_map(|(k, list)| list.iter().map(move |w| (k, w.start, w.meta)))
                         .collect();
-                    windows.sort_unstable_by_key(|(k, w, _)| (*k, *w));
                     let window_cols = (
                         put_u32(windows.iter().map(|w| w.0)),
                         put_i64(windows.iter().map(|w| w.1)),
@@ -193,12 +198,13 @@ impl WindowEngine {
                     );
                     (window_cols, timer_cols)
                 });
-                let mut panes: Vec<(u32, i64, u32, bool)> = self
-                    .panes
+                let panes: Vec<(u32, i64, u32, bool)> = self
+                    .key_panes
                     .iter()
-                    .filter_map(|((k, p), r)| remap(*k).map(|k| (k, *p, r.slab, r.dirty)))
+                    .enumerate()
+                    .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
+                    .flat_map(|(k, list)| list.iter().map(move |p| (k, p.start, p.slab, p.dirty)))
                     .collect();
-                panes.sort_unstable_by_key(|(k, p, _, _)| (*k, *p));
                 let mut slab = Vec::with_capacity(panes.len() * stride * 8);
                 for (_, _, at, _) in &panes {
                     let base = *at as usize * stride;
@@ -357,6 +363,23 @@ impl WindowEngine {
         if !consistent {
             return Err(bad("corrupt window state: key ids out of range".into()));
         }
+        // Each key's panes and windows are lists sorted by start: the columns must come
+        // sorted by (key, start), without repeats.
+        let increasing = |keys: &[u32], starts: &[i64]| {
+            keys.windows(2)
+                .zip(starts.windows(2))
+                .all(|(k, s)| (k[0], s[0]) < (k[1], s[1]))
+        };
+        if !increasing(&pane_keys, &pane_starts) || !increasing(&window_keys, &window_starts) {
+            return Err(bad(
+                "corrupt window state: panes or windows out of order".into()
+            ));
+        }
+        if self.is_session() && (panes > 0 || windows > 0) {
+            return Err(bad(
+                "corrupt window state: panes in the state of a session job".into(),
+            ));
+        }
         if !state.sessions.iter().all(|(_, _, s)| s.acc.len() == stride) {
             return Err(bad(
                 "state accumulators do not match the job's aggregates".into()
@@ -373,8 +396,6 @@ impl WindowEngine {
         self.key_ids.reserve(n_keys);
         self.key_names.reserve(n_keys);
         self.key_group.reserve(n_keys);
-        self.panes.reserve(panes);
-        self.windows.reserve(windows);
         self.slab.reserve(panes * stride);
         self.dedup.reserve(dedups);
         let mut ids = Vec::with_capacity(n_keys);
@@ -386,55 +407,71 @@ impl WindowEngine {
             self.key_group.push(kg);
             ids.push(id);
         }
+        let pane_job = !self.is_session();
+        if pane_job {
+            self.key_panes.resize_with(self.key_names.len(), Vec::new);
+            self.key_windows.resize_with(self.key_names.len(), Vec::new);
+        }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = (self.slab.len() / stride) as u32;
         self.slab.extend_from_slice(&slab);
-        let derived_timers = !self.is_session();
         let lateness = self.lateness_us;
-        let window_ends: Vec<i64> = if derived_timers {
-            window_starts
-                .iter()
-                .map(|s| self.window_bounds(*s).1)
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // The four big maps fill on two threads (disjoint fields).
-        let (panes_map, windows_map, timers_map, dedup_map) = (
-            &mut self.panes,
-            &mut self.windows,
+        let (pane_us, panes_per_window) = (self.pane_us, self.panes_per_window);
+        // Rows of one key are adjacent: each key's list is allocated once, at its size.
+        fn runs(keys: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+            let mut i = 0;
+            std::iter::from_fn(move || {
+                let start = i;
+                let key = *keys.get(i)?;
+                while keys.get(i) == Some(&key) {
+                    i += 1;
+                }
+                Some(start..i)
+            })
+        }
+        // Windows and timers on one thread, panes and dedup identities on another
+        // (disjoint fields).
+        let (key_panes, key_windows, timers_map, dedup_map) = (
+            &mut self.key_panes,
+            &mut self.key_windows,
             &mut self.timers,
             &mut self.dedup,
         );
         std::thread::scope(|scope| {
             let other = scope.spawn(|| {
-                for i in 0..windows {
-                    if let Some(key) = id(window_keys[i]) {
+                for run in runs(&window_keys) {
+                    let Some(key) = id(window_keys[run.start]) else {
+                        continue;
+                    };
+                    let mut list = Vec::with_capacity(run.len());
+                    for i in run {
+                        let start = window_starts[i];
                         let closed = window_flags[i] & 1 != 0;
-                        windows_map.insert(
-                            (key, window_starts[i]),
-                            WindowMeta {
+                        list.push(Window {
+                            start,
+                            meta: WindowMeta {
                                 version: window_versions[i],
                                 closed,
                                 dirty: window_flags[i] & 2 != 0,
                             },
-                        );
-                        if derived_timers {
-                            let end = window_ends[i];
-                            let (at, kind) = if closed {
-                                (end.saturating_add(lateness), TimerKind::Retire)
-                            } else {
-                                (end, TimerKind::OnTime)
-                            };
-                            timers_map.entry(at).or_default().push(Timer {
-                                key,
-                                start: window_starts[i],
-                                kind,
-                            });
-                        }
+                        });
+                        // The one timer of a tumbling or sliding window follows from it.
+                        let end = start
+                            .saturating_mul(pane_us)
+                            .saturating_add(pane_us.saturating_mul(panes_per_window));
+                        let (at, kind) = if closed {
+                            (end.saturating_add(lateness), TimerKind::Retire)
+                        } else {
+                            (end, TimerKind::OnTime)
+                        };
+                        timers_map
+                            .entry(at)
+                            .or_default()
+                            .push(Timer { key, start, kind });
                     }
+                    key_windows[key as usize] = list;
                 }
-                // Timers come in firing order: one map entry per distinct time.
+                // Session timers come in firing order: one map entry per distinct time.
                 let mut i = 0;
                 while i < timer_at.len() {
                     let at = timer_at[i];
@@ -456,16 +493,17 @@ impl WindowEngine {
                     }
                 }
             });
-            for i in 0..panes {
-                if let Some(key) = id(pane_keys[i]) {
-                    panes_map.insert(
-                        (key, pane_starts[i]),
-                        PaneRef {
-                            slab: first_slab + i as u32,
-                            dirty: pane_dirty[i] != 0,
-                        },
-                    );
-                }
+            for run in runs(&pane_keys) {
+                let Some(key) = id(pane_keys[run.start]) else {
+                    continue;
+                };
+                key_panes[key as usize] = run
+                    .map(|i| Pane {
+                        start: pane_starts[i],
+                        slab: first_slab + i as u32,
+                        dirty: pane_dirty[i] != 0,
+                    })
+                    .collect();
             }
             for i in 0..dedups {
                 dedup_map.insert(dedup_ids[i], (dedup_expiry[i], dedup_groups[i]));
@@ -504,9 +542,14 @@ impl WindowEngine {
     pub fn state_size(&self) -> StateSize {
         let stride_bytes = self.layout.stride * 8;
         let key_bytes: usize = self.key_names.iter().map(|k| k.len() + 16 + 24 + 2).sum();
-        let pane_bytes =
-            self.panes.len() * (24 + 1 + stride_bytes) + self.free.len() * stride_bytes;
-        let window_bytes = self.windows.len() * (24 + 1);
+        let panes: usize = self.key_panes.iter().map(Vec::len).sum();
+        let windows: usize = self.key_windows.iter().map(Vec::len).sum();
+        // Two lists per key; a pane or window entry is 16 bytes.
+        let list_bytes = self.key_panes.len() * 2 * std::mem::size_of::<Vec<Pane>>();
+        let pane_bytes = list_bytes
+            + panes * (std::mem::size_of::<Pane>() + stride_bytes)
+            + self.free.len() * stride_bytes;
+        let window_bytes = windows * std::mem::size_of::<Window>();
         let timers: usize = self.timers.values().map(Vec::len).sum();
         let timer_bytes = timers * std::mem::size_of::<Timer>() + self.timers.len() * 48;
         let session_count: usize = self.sessions.values().map(BTreeMap::len).sum();
@@ -514,8 +557,8 @@ impl WindowEngine {
             session_count * (8 + 16 + 24 + stride_bytes + 16) + self.sessions.len() * 40;
         StateSize {
             keys: self.key_names.len(),
-            windows: self.windows.len() + session_count,
-            panes: self.panes.len(),
+            windows: windows + session_count,
+            panes,
             timers,
             dedup_identities: self.dedup.len(),
             window_state_bytes: key_bytes + pane_bytes + window_bytes + timer_bytes + session_bytes,
