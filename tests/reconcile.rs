@@ -146,7 +146,7 @@ fn tamper(lake: &Path) -> (String, String) {
     let i = |k: &str| row[k].as_i64();
     let value = |k: &str| i(k).map(AggValue::Int).unwrap_or(AggValue::Null);
     let out = OutputRow {
-        key: row["key"].as_str().unwrap().to_string(),
+        key: row["key"].as_str().unwrap().into(),
         window_start: i("ws").unwrap(),
         window_end: i("we").unwrap(),
         output_version: i("output_version").unwrap() as u32 + 1,
@@ -178,7 +178,7 @@ fn tamper(lake: &Path) -> (String, String) {
             .await
             .unwrap();
     });
-    (out.key, row["ws"].to_string())
+    (out.key.to_string(), row["ws"].to_string())
 }
 
 /// The Chromium binary Debian installs, if any.

@@ -133,7 +133,7 @@ impl Freshness {
             let mut windows: FxHashMap<&str, Vec<(i64, i64)>> = FxHashMap::default();
             for r in rows.iter().filter(|r| !r.retracted) {
                 windows
-                    .entry(r.key.as_str())
+                    .entry(&*r.key)
                     .or_default()
                     .push((r.window_start, r.window_end));
             }

@@ -56,8 +56,9 @@ pub enum AggValue {
 /// One emitted version of one output identity `(job, namespace, key, window_start, window_end)`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutputRow {
-    /// Key value (multi-column keys joined with `|`).
-    pub key: String,
+    /// Key value (multi-column keys joined with `|`), shared with the engine's key table.
+    #[serde(with = "shared_str")]
+    pub key: Arc<str>,
     /// Window start, µs (inclusive).
     pub window_start: i64,
     /// Window end, µs (exclusive).
@@ -284,4 +285,19 @@ pub fn late_rows(batch: &RecordBatch, late: &[LateRecord]) -> Result<RecordBatch
     ));
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns)
         .map_err(|e| WindowError::new(ErrorKind::Internal, format!("late rows: {e}")))
+}
+
+/// Serde for a shared string, as a plain string.
+mod shared_str {
+    use std::sync::Arc;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(value)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<str>, D::Error> {
+        String::deserialize(d).map(Arc::from)
+    }
 }

@@ -402,8 +402,9 @@ impl WindowEngine {
         for name in state.key_names {
             let id = self.key_names.len() as u32;
             let kg = self.key_group_of(&name);
-            self.key_ids.insert(name.as_str().into(), id);
-            self.key_names.push(name.into());
+            let name: Arc<str> = name.into();
+            self.key_ids.insert(Arc::clone(&name), id);
+            self.key_names.push(name);
             self.key_group.push(kg);
             ids.push(id);
         }

@@ -160,7 +160,7 @@ fn late_event_bridging_two_sessions_retracts_both() {
         &mut out,
     );
     step(&mut e, &[rec("b", 30 * M, "x", 0)], S, &mut out); // watermark 30 min: both sessions fire
-    let fired: Vec<_> = out.rows.iter().filter(|r| r.key == "a").collect();
+    let fired: Vec<_> = out.rows.iter().filter(|r| &*r.key == "a").collect();
     assert_eq!(fired.len(), 2);
     assert!(fired.iter().all(|r| r.completeness == Completeness::OnTime));
     // 4 min bridges [0, 5m) and [8m, 13m) into [0, 13m).

@@ -63,7 +63,7 @@ fn render(job: &str) -> String {
     .unwrap();
     let whales: Vec<String> = (0..10).map(|i| format!("c-{i}")).collect();
     for r in rows {
-        if job == "customer_features" && !whales.contains(&r.key) {
+        if job == "customer_features" && !whales.contains(&r.key.to_string()) {
             continue;
         }
         let values: Vec<String> = r

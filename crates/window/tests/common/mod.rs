@@ -137,7 +137,7 @@ pub type Finals = BTreeMap<(String, i64, i64), (i64, Vec<AggValue>)>;
 pub fn finals(rows: &[OutputRow]) -> Finals {
     let mut best: BTreeMap<(String, i64, i64), &OutputRow> = BTreeMap::new();
     for r in rows {
-        let id = (r.key.clone(), r.window_start, r.window_end);
+        let id = (r.key.to_string(), r.window_start, r.window_end);
         match best.get(&id) {
             Some(prev) if prev.output_version >= r.output_version => {
                 assert_ne!(
@@ -160,7 +160,7 @@ pub fn finals(rows: &[OutputRow]) -> Finals {
 pub fn assert_versions_strictly_increase(rows: &[OutputRow]) {
     let mut last: BTreeMap<(String, i64, i64), u32> = BTreeMap::new();
     for r in rows {
-        let id = (r.key.clone(), r.window_start, r.window_end);
+        let id = (r.key.to_string(), r.window_start, r.window_end);
         let prev = last.insert(id.clone(), r.output_version).unwrap_or(0);
         assert_eq!(
             r.output_version,
