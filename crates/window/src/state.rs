@@ -567,3 +567,103 @@ impl WindowEngine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use signalweave_model::{
+        Event, EventBatchBuilder, EventId, ProducerId, SchemaVersion, TenantId,
+    };
+
+    use super::*;
+
+    fn sliding_engine_with_two_keys() -> WindowEngine {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../jobs/customer_features.toml"
+        ))
+        .unwrap();
+        let spec = Arc::new(JobSpec::from_toml(&text).unwrap());
+        let mut engine = WindowEngine::new(spec, EngineConfig::default()).unwrap();
+        let mut b = EventBatchBuilder::with_capacity(4);
+        for (i, (customer, minute)) in [("c1", 3), ("c2", 5), ("c1", 7)].iter().enumerate() {
+            b.push(&Event {
+                event_id: EventId::new(format!("e{i}")),
+                event_type: "order_placed".into(),
+                schema_version: SchemaVersion::new(1, 0, 0),
+                tenant: TenantId::new("t"),
+                producer_id: ProducerId::new("p"),
+                producer_seq: i as i64,
+                event_time_us: minute * 60_000_000,
+                ingest_time_us: minute * 60_000_000,
+                partition_key: (*customer).into(),
+                order_id: Some("o".into()),
+                customer_id: Some((*customer).into()),
+                market_id: Some("m".into()),
+                business_version: 1,
+                amount_minor: Some(100),
+                currency: Some("EUR".into()),
+                attributes: None,
+            });
+        }
+        engine.process_batch(&b.finish().unwrap(), "p", 0).unwrap();
+        engine
+    }
+
+    fn decode(bytes: &[u8]) -> StateV2 {
+        postcard::from_bytes(&bytes[8..]).unwrap()
+    }
+
+    fn encode(state: &StateV2) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
+        postcard::to_extend(state, out).unwrap()
+    }
+
+    #[test]
+    fn restore_round_trips_each_keys_lists() {
+        let engine = sliding_engine_with_two_keys();
+        let bytes = engine.snapshot().unwrap();
+        let restored =
+            WindowEngine::restore(Arc::clone(&engine.spec), engine.config.clone(), &bytes).unwrap();
+        // Slab slots are renumbered; starts, flags and accumulators are kept.
+        let panes = |e: &WindowEngine| -> Vec<Vec<(i64, bool, Vec<i64>)>> {
+            let stride = e.layout.stride;
+            e.key_panes
+                .iter()
+                .map(|list| {
+                    list.iter()
+                        .map(|p| {
+                            let base = p.slab as usize * stride;
+                            (p.start, p.dirty, e.slab[base..base + stride].to_vec())
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        assert_eq!(panes(&restored), panes(&engine));
+        assert_eq!(restored.key_windows, engine.key_windows);
+        assert_eq!(restored.snapshot().unwrap(), bytes);
+        assert_eq!(restored.state_size(), engine.state_size());
+    }
+
+    #[test]
+    fn a_state_with_windows_out_of_order_is_refused() {
+        let engine = sliding_engine_with_two_keys();
+        let mut state = decode(&engine.snapshot().unwrap());
+        // Swap the first two windows of the first key.
+        let starts = &mut state.window_starts.0;
+        assert!(starts.len() >= 16);
+        let (a, b) = starts.split_at_mut(8);
+        a.swap_with_slice(&mut b[..8]);
+        let err = WindowEngine::restore(
+            Arc::clone(&engine.spec),
+            engine.config.clone(),
+            &encode(&state),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(err.message().contains("out of order"), "{}", err.message());
+    }
+}
