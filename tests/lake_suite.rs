@@ -132,6 +132,50 @@ async fn append_is_idempotent_under_retry() {
         assert_eq!(snaps.len(), 2);
         assert_eq!(snaps[0].writer_id.as_deref(), Some("writer-a"));
         assert_eq!(snaps[0].batch_seq, Some(7));
+        // Idempotency outlives snapshot retention: expiry (iceberg's, then a maintenance
+        // pass) records the identities of the snapshots it removes, and a late retry of
+        // either commit is still recognised.
+        lake.expire_snapshots(LakeTable::Events, Some(1), Some(i64::MAX))
+            .await
+            .unwrap();
+        let late_retry = lake
+            .append(LakeTable::Events, &[batch(&evs[..500])], &id)
+            .await
+            .unwrap();
+        assert!(late_retry.already_committed, "{}: after expiry", b.name);
+        assert_eq!(late_retry.snapshot_id, first.snapshot_id);
+        lake.append(
+            LakeTable::Events,
+            &[batch(&evs[500..600])],
+            &CommitIdentity::new("writer-a", 9),
+        )
+        .await
+        .unwrap();
+        let policy = signalweave_lake::MaintenancePolicy {
+            retention: Some(signalweave_lake::Retention {
+                keep_last: 1,
+                max_age_ms: 0,
+            }),
+            ..Default::default()
+        };
+        let report = lake.maintain(LakeTable::Events, &policy).await.unwrap();
+        assert_eq!(report.snapshots_expired, 1, "{}", b.name);
+        let retry_8 = lake
+            .append(
+                LakeTable::Events,
+                &[batch(&evs[..500])],
+                &CommitIdentity::new("writer-a", 8),
+            )
+            .await
+            .unwrap();
+        assert!(retry_8.already_committed, "{}: after maintenance", b.name);
+        assert_eq!(retry_8.snapshot_id, next.snapshot_id);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await,
+            1100,
+            "{}",
+            b.name
+        );
         // A batch of another table's shape is refused, classified, and nothing lands.
         let wrong = signalweave_lake::rejection_batch(
             0,
@@ -143,6 +187,7 @@ async fn append_is_idempotent_under_retry() {
             )],
         )
         .unwrap();
+        let before = lake.snapshots(LakeTable::Events).await.unwrap();
         let err = lake
             .append(
                 LakeTable::Events,
@@ -152,7 +197,10 @@ async fn append_is_idempotent_under_retry() {
             .await
             .unwrap_err();
         assert_eq!(err.kind(), signalweave_model::ErrorKind::InvalidInput);
-        assert_eq!(lake.snapshots(LakeTable::Events).await.unwrap().len(), 2);
+        assert_eq!(
+            lake.snapshots(LakeTable::Events).await.unwrap().len(),
+            before.len()
+        );
     }
 }
 

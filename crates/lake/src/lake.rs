@@ -10,7 +10,7 @@ use futures::{StreamExt, TryStreamExt, stream};
 use iceberg::expr::Reference;
 use iceberg::io::StorageFactory;
 use iceberg::scan::{ArrowRecordBatchStream, FileScanTask};
-use iceberg::spec::{DataContentType, DataFile, Datum, ManifestStatus, Operation};
+use iceberg::spec::{DataContentType, DataFile, Datum, ManifestStatus, Operation, Snapshot};
 use iceberg::table::Table;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use iceberg::writer::base_writer::data_file_writer::DataFileWriterBuilder;
@@ -39,6 +39,10 @@ use crate::layout::{LakeTable, NAMESPACE, SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID};
 pub const DEFAULT_TARGET_FILE_SIZE: usize = 128 * 1024 * 1024;
 /// How many times an append retries a transient failure (after iceberg's own conflict retries).
 pub const DEFAULT_APPEND_ATTEMPTS: u32 = 30;
+/// How long `sw_commit_identities` remembers the identity of a commit whose snapshot
+/// expired: a retry (a gateway's spooled group, a resumed load, a live job's replayed epoch)
+/// within it is recognised. Seven days.
+pub const COMMIT_IDENTITY_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
 /// Who made a commit: the writer's stable id and its batch sequence number.
 ///
@@ -261,6 +265,17 @@ impl Lake {
                     e,
                 )
             })?;
+        // Commit identities outlive the snapshots that carried them (see
+        // `Lake::record_commit_identities`); lakes made before this table existed get it here.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_commit_identities (catalog_name VARCHAR(255) NOT NULL, \
+             table_name VARCHAR(255) NOT NULL, writer_id VARCHAR(255) NOT NULL, \
+             batch_seq BIGINT NOT NULL, snapshot_id BIGINT NOT NULL, committed_ms BIGINT NOT NULL, \
+             PRIMARY KEY (catalog_name, table_name, writer_id, batch_seq))",
+        )
+        .execute(&control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_commit_identities", e))?;
         drop(ddl_lock);
         Ok(Self {
             config,
@@ -547,7 +562,100 @@ impl Lake {
         Ok(ids)
     }
 
-    /// The snapshot of `table` committed with `identity`, if one is retained.
+    /// The snapshot of `table` committed with `identity`: a retained snapshot carrying it, or
+    /// the record expiry left of one it removed (kept [`COMMIT_IDENTITY_TTL_MS`]). So a
+    /// retried commit is recognised whatever the table's snapshot retention.
+    pub async fn committed(
+        &self,
+        table: LakeTable,
+        current: &Table,
+        identity: &CommitIdentity,
+    ) -> Result<Option<i64>> {
+        if let Some(id) = Self::find_commit(current, identity) {
+            return Ok(Some(id));
+        }
+        let sql = if self.config.is_sqlite() {
+            "SELECT snapshot_id FROM sw_commit_identities WHERE catalog_name = ? AND table_name = ? \
+             AND writer_id = ? AND batch_seq = ?"
+        } else {
+            "SELECT snapshot_id FROM sw_commit_identities WHERE catalog_name = $1 AND table_name = $2 \
+             AND writer_id = $3 AND batch_seq = $4"
+        };
+        let row: Option<(i64,)> = sqlx::query_as(sql)
+            .bind(self.config.catalog_name.as_str())
+            .bind(table.name())
+            .bind(identity.writer_id.as_str())
+            .bind(identity.batch_seq as i64)
+            .fetch_optional(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("read commit identities", e))?;
+        Ok(row.map(|(id,)| id))
+    }
+
+    /// Records the commit identities carried by `snapshots`, which an expiry is about to
+    /// remove from `table`'s metadata, and forgets records older than
+    /// [`COMMIT_IDENTITY_TTL_MS`]. Runs before the expiry commits: every identity ever
+    /// committed is always in a retained snapshot or in `sw_commit_identities`.
+    pub(crate) async fn record_commit_identities<'a>(
+        &self,
+        table: LakeTable,
+        snapshots: impl Iterator<Item = &'a Snapshot>,
+    ) -> Result<usize> {
+        let rows: Vec<(String, i64, i64, i64)> = snapshots
+            .filter_map(|s| {
+                let p = &s.summary().additional_properties;
+                let writer = p.get(SUMMARY_WRITER_ID)?;
+                let seq = p.get(SUMMARY_BATCH_SEQ)?.parse::<i64>().ok()?;
+                Some((writer.clone(), seq, s.snapshot_id(), s.timestamp_ms()))
+            })
+            .collect();
+        let (insert, prune) = if self.config.is_sqlite() {
+            (
+                "INSERT INTO sw_commit_identities (catalog_name, table_name, writer_id, batch_seq, \
+                 snapshot_id, committed_ms) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                "DELETE FROM sw_commit_identities WHERE catalog_name = ? AND table_name = ? \
+                 AND committed_ms < ?",
+            )
+        } else {
+            (
+                "INSERT INTO sw_commit_identities (catalog_name, table_name, writer_id, batch_seq, \
+                 snapshot_id, committed_ms) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                "DELETE FROM sw_commit_identities WHERE catalog_name = $1 AND table_name = $2 \
+                 AND committed_ms < $3",
+            )
+        };
+        let mut tx = self
+            .control
+            .begin()
+            .await
+            .map_err(|e| LakeError::sql("record commit identities", e))?;
+        for (writer, seq, snapshot, at) in &rows {
+            sqlx::query(insert)
+                .bind(self.config.catalog_name.as_str())
+                .bind(table.name())
+                .bind(writer.as_str())
+                .bind(*seq)
+                .bind(*snapshot)
+                .bind(*at)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| LakeError::sql("record commit identities", e))?;
+        }
+        sqlx::query(prune)
+            .bind(self.config.catalog_name.as_str())
+            .bind(table.name())
+            .bind(chrono::Utc::now().timestamp_millis() - COMMIT_IDENTITY_TTL_MS)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| LakeError::sql("forget old commit identities", e))?;
+        tx.commit()
+            .await
+            .map_err(|e| LakeError::sql("record commit identities", e))?;
+        Ok(rows.len())
+    }
+
+    /// The snapshot of `table` committed with `identity`, if one is retained (see
+    /// [`Lake::committed`], which also finds expired ones).
     pub fn find_commit(table: &Table, identity: &CommitIdentity) -> Option<i64> {
         let seq = identity.batch_seq.to_string();
         table
@@ -632,7 +740,7 @@ impl Lake {
         written: &mut Option<Vec<DataFile>>,
     ) -> Result<AppendOutcome> {
         let current = self.table(table).await?;
-        if let Some(snapshot_id) = Self::find_commit(&current, identity) {
+        if let Some(snapshot_id) = self.committed(table, &current, identity).await? {
             return Ok(AppendOutcome {
                 snapshot_id,
                 rows,
@@ -825,8 +933,8 @@ impl Lake {
     ///
     /// This removes snapshots from the table metadata only; deleting the files they alone
     /// referenced is the orphan-file sweep's job (lake maintenance). A retried append is
-    /// recognised only while its snapshot is retained, so the retention rule is also the
-    /// horizon of commit idempotency.
+    /// recognised by its snapshot while retained and by `sw_commit_identities` after (see
+    /// [`Lake::committed`]).
     pub async fn expire_snapshots(
         &self,
         table: LakeTable,
@@ -845,6 +953,9 @@ impl Lake {
         let tx = action
             .apply(Transaction::new(&current))
             .map_err(|e| LakeError::iceberg("plan expiry", e))?;
+        // Which snapshots go is iceberg's decision: record every identity first.
+        self.record_commit_identities(table, current.metadata().snapshots().map(|s| s.as_ref()))
+            .await?;
         let after_table = tx
             .commit(self.catalog.as_ref())
             .await

@@ -38,8 +38,9 @@ pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use erase::{ErasureReport, ErasureRequest, TableErasure};
 pub use error::{LakeError, Result};
 pub use lake::{
-    AppendOutcome, AppendWriter, Backlog, CommitIdentity, DEFAULT_TARGET_FILE_SIZE, ExpireOutcome,
-    IncrementalPlan, Lake, ScanPlan, SnapshotInfo, WrittenFiles,
+    AppendOutcome, AppendWriter, Backlog, COMMIT_IDENTITY_TTL_MS, CommitIdentity,
+    DEFAULT_TARGET_FILE_SIZE, ExpireOutcome, IncrementalPlan, Lake, ScanPlan, SnapshotInfo,
+    WrittenFiles,
 };
 pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,

@@ -776,6 +776,14 @@ impl Lake {
                 .build()
                 .map_err(ice("build table metadata"))?
                 .metadata;
+            // Idempotency outlives the removed snapshots.
+            self.record_commit_identities(
+                table,
+                md.snapshots()
+                    .filter(|s| removed.contains(&s.snapshot_id()))
+                    .map(|s| s.as_ref()),
+            )
+            .await?;
             match self.commit_metadata(table, &base, new_md).await {
                 Ok(()) => {
                     report.snapshots_expired += remove.len();

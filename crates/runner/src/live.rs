@@ -375,11 +375,22 @@ impl LiveJob {
 
     async fn sink_committed(&self, epoch: u64) -> Result<bool> {
         let out = self.lake.table(self.output).await?;
-        if Lake::find_commit(&out, &CommitIdentity::new(self.sink_writer(), epoch)).is_some() {
+        let sink = CommitIdentity::new(self.sink_writer(), epoch);
+        if self
+            .lake
+            .committed(self.output, &out, &sink)
+            .await?
+            .is_some()
+        {
             return Ok(true);
         }
         let late = self.lake.table(LakeTable::LateEvents).await?;
-        Ok(Lake::find_commit(&late, &CommitIdentity::new(self.late_writer(), epoch)).is_some())
+        let identity = CommitIdentity::new(self.late_writer(), epoch);
+        Ok(self
+            .lake
+            .committed(LakeTable::LateEvents, &late, &identity)
+            .await?
+            .is_some())
     }
 
     fn set_state(&self, state: &str, error: Option<String>) {
