@@ -177,6 +177,20 @@ pub(crate) struct Window {
     pub meta: WindowMeta,
 }
 
+/// Bounds (µs) of the window starting at pane `start_pane` (free of `&self`, for callers
+/// that hold parts of the engine mutably).
+pub(crate) fn pane_window_bounds(
+    start_pane: i64,
+    pane_us: i64,
+    panes_per_window: i64,
+) -> (i64, i64) {
+    let start = start_pane.saturating_mul(pane_us);
+    (
+        start,
+        start.saturating_add(pane_us.saturating_mul(panes_per_window)),
+    )
+}
+
 /// Finds `start` in a list sorted by start: `Ok(index)`, or `Err(insertion point)`.
 /// Records mostly arrive in time order, so the newest entry is tried first.
 #[inline]
@@ -441,11 +455,7 @@ impl WindowEngine {
     }
 
     pub(crate) fn window_bounds(&self, start_pane: i64) -> (i64, i64) {
-        let start = start_pane.saturating_mul(self.pane_us);
-        (
-            start,
-            start.saturating_add(self.pane_us.saturating_mul(self.panes_per_window)),
-        )
+        pane_window_bounds(start_pane, self.pane_us, self.panes_per_window)
     }
 
     fn schedule(&mut self, at: i64, timer: Timer) {
@@ -729,9 +739,7 @@ impl WindowEngine {
                     let Err(at) = seek(windows, w, |w| w.start) else {
                         continue;
                     };
-                    let end = w
-                        .saturating_mul(self.pane_us)
-                        .saturating_add(self.pane_us.saturating_mul(self.panes_per_window));
+                    let (_, end) = pane_window_bounds(w, self.pane_us, self.panes_per_window);
                     let retire_at = end.saturating_add(self.lateness_us);
                     if wm >= retire_at {
                         continue;

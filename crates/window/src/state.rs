@@ -15,6 +15,7 @@ use signalweave_model::ErrorKind;
 
 use crate::engine::{
     EngineConfig, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
+    pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -457,9 +458,7 @@ impl WindowEngine {
                             },
                         });
                         // The one timer of a tumbling or sliding window follows from it.
-                        let end = start
-                            .saturating_mul(pane_us)
-                            .saturating_add(pane_us.saturating_mul(panes_per_window));
+                        let (_, end) = pane_window_bounds(start, pane_us, panes_per_window);
                         let (at, kind) = if closed {
                             (end.saturating_add(lateness), TimerKind::Retire)
                         } else {
