@@ -408,11 +408,12 @@ fn a_live_burst_takes_the_backfills_capacity_back_and_it_returns_after() {
     let base = format!("http://127.0.0.1:{serve_port}");
     let up = Proc::spawn({
         let mut c = sw(&lake);
-        // A live job that polls every 400 ms: each commit of the burst waits up to that
-        // long, which crosses the backfill's 200 ms queue-age guard; without traffic there
-        // is no queue.
+        // A live job that polls every second: each commit of the burst waits up to that
+        // long (longer than 200 ms four times in five), which crosses the backfill's 200 ms
+        // queue-age guard; without traffic there is no queue. (At 400 ms, a burst whose few
+        // commits all happened to be read within 200 ms never crossed it.)
         c.args(["up", "--job", "jobs/market_aggregates.toml"])
-            .args(["--poll-interval", "400ms"])
+            .args(["--poll-interval", "1s"])
             .args(["--gateway-listen", &format!("127.0.0.1:{gw_port}")])
             .args(["--serve-listen", &format!("127.0.0.1:{serve_port}")]);
         c
