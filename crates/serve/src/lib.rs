@@ -83,6 +83,9 @@ struct ServedJob {
     promoted: Mutex<HashMap<String, View>>,
 }
 
+/// How often [`Serving::serve`] brings the served views up to date between requests.
+pub const VIEW_REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The serving state: the lake, the served jobs, and the runner's metrics and statuses.
 #[derive(Debug, Clone)]
 pub struct Serving {
@@ -232,15 +235,38 @@ impl Serving {
             .with_state(self.clone())
     }
 
-    /// Serves on `listener` until `shutdown` resolves.
+    /// Serves on `listener` until `shutdown` resolves. Meanwhile every served view is
+    /// brought up to date every [`VIEW_REFRESH_INTERVAL`], so its position never falls
+    /// behind the output table's snapshot retention (which would make the next request
+    /// rebuild the view from the whole table) and requests find it nearly current.
     pub async fn serve(
         &self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, self.router())
+        let keeper = tokio::spawn({
+            let serving = self.clone();
+            async move { serving.keep_fresh(VIEW_REFRESH_INTERVAL).await }
+        });
+        let served = axum::serve(listener, self.router())
             .with_graceful_shutdown(shutdown)
-            .await
+            .await;
+        keeper.abort();
+        served
+    }
+
+    async fn keep_fresh(&self, every: std::time::Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for ((job, namespace), served) in self.jobs.iter() {
+                let mut view = served.view.lock().await;
+                if let Err(e) = self.refresh(served.table, &served.spec, &mut view).await {
+                    tracing::warn!(%job, %namespace, error = %e.message, "refresh of a served view failed");
+                }
+            }
+        }
     }
 
     /// Binds `addr` (port 0 picks one) and returns the listener with its address.
