@@ -209,6 +209,70 @@ fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
     // Replaying the same outputs derives the same effect ids: nothing new is sent.
     ok(run_effects(&clean, &spec, &sink.url).output().unwrap());
     assert_exactly_once(&sink, expected, "replayed");
+    // The notifier's position is held: later outputs land, expiry keeps only the newest
+    // snapshot it may, and the notifier resumes from its position.
+    let more = dir.path().join("more.ndjson");
+    ok(sw(&clean)
+        .args(["fixtures", "generate", "--seed", "2", "--events", "30000"])
+        .args(["--events-per-sec", "2", "--out"])
+        .arg(&more)
+        .output()
+        .unwrap());
+    ok(sw(&clean).arg("load").arg(&more).output().unwrap());
+    ok(sw(&clean)
+        .args([
+            "run",
+            "--job",
+            "jobs/customer_features.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap());
+    ok(sw(&clean)
+        .args([
+            "lake",
+            "expire",
+            "--table",
+            "customer_features",
+            "--retain-last",
+            "1",
+        ])
+        .args(["--older-than-secs", "0"])
+        .output()
+        .unwrap());
+    ok(run_effects(&clean, &spec, &sink.url).output().unwrap());
+    let resumed = count(&status(&clean, &spec, "live"), "delivered");
+    assert!(resumed > expected, "{resumed} after {expected}");
+    // `lake holds` lists the notifier's hold; a retired notifier's hold is released.
+    let holds = |lake: &Path| -> Vec<Value> {
+        let out = ok(sw(lake)
+            .args(["lake", "holds", "--format", "json"])
+            .output()
+            .unwrap());
+        serde_json::from_str(&out).unwrap()
+    };
+    let notifier_hold = |h: &Value| {
+        h["holder"] == "effects:notifications:live" && h["table"] == "customer_features"
+    };
+    assert!(
+        holds(&clean).iter().any(notifier_hold),
+        "{:?}",
+        holds(&clean)
+    );
+    ok(sw(&clean)
+        .args(["lake", "holds", "--release", "effects:notifications:live"])
+        .output()
+        .unwrap());
+    assert!(!holds(&clean).iter().any(notifier_hold));
+    let again = sw(&clean)
+        .args(["lake", "holds", "--release", "effects:notifications:live"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        again.status.code(),
+        Some(2),
+        "nothing to release is bad input"
+    );
     sink.stop();
 
     for point in [

@@ -382,6 +382,165 @@ async fn maintenance_merges_manifests_expires_unheld_snapshots_and_keeps_every_r
     }
 }
 
+fn dir_bytes(path: &std::path::Path) -> u64 {
+    std::fs::read_dir(path)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| match e.metadata() {
+                    Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+                    Ok(m) => m.len(),
+                    Err(_) => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Small commits back to back with maintenance passes running beside them (as the gateway
+/// runs them): the metadata file each commit rewrites stops growing, the metadata on disk
+/// grows with the data files only, and commit latency stays flat. Without maintenance
+/// every one of these grows with the commit count (the metadata file by a snapshot line
+/// per commit, the manifest list by a manifest per commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_small_commits_with_maintenance_keep_latency_flat_and_metadata_bounded() {
+    use signalweave_lake::{MaintenancePolicy, MaintenanceReport, Retention};
+    const COMMITS: usize = 3_000;
+    let b = support::embedded();
+    let lake = open(&b).await;
+    let data = batch(&events(WorkloadSpec {
+        events: 10,
+        dup_fraction: 0.0,
+        ..Default::default()
+    }));
+    // Orphans of lost races go after 5 s here (1 h by default): far longer than an
+    // append takes from writing its manifest list to its compare-and-set.
+    let policy = MaintenancePolicy {
+        retention: Some(Retention {
+            keep_last: 120,
+            max_age_ms: 0,
+        }),
+        metadata_orphan_age: Some(std::time::Duration::from_secs(5)),
+        ..Default::default()
+    };
+    // The metadata file each commit rewrites, and the table's metadata directory on disk.
+    let metadata = |lake: Lake| async move {
+        let t = lake.table(LakeTable::Events).await.unwrap();
+        let file = std::path::PathBuf::from(
+            t.metadata_location()
+                .unwrap()
+                .trim_start_matches("file://")
+                .to_string(),
+        );
+        let bytes = std::fs::metadata(&file).unwrap().len();
+        (bytes, dir_bytes(file.parent().unwrap()))
+    };
+    let mut latency_ms = Vec::with_capacity(COMMITS);
+    let mut maintenance: Option<
+        tokio::task::JoinHandle<Result<MaintenanceReport, signalweave_lake::LakeError>>,
+    > = None;
+    let mut at_1000 = (0, 0);
+    for i in 0..COMMITS {
+        if i > 0 && i % 60 == 0 && maintenance.as_ref().is_none_or(|h| h.is_finished()) {
+            if let Some(h) = maintenance.take() {
+                h.await.unwrap().unwrap();
+            }
+            let (lake, policy) = (lake.clone(), policy.clone());
+            maintenance = Some(tokio::spawn(async move {
+                lake.maintain(LakeTable::Events, &policy).await
+            }));
+        }
+        let started = std::time::Instant::now();
+        lake.append(
+            LakeTable::Events,
+            std::slice::from_ref(&data),
+            &CommitIdentity::new("many", i as u64),
+        )
+        .await
+        .unwrap();
+        latency_ms.push(started.elapsed().as_secs_f64() * 1e3);
+        if i + 1 == 1_000 {
+            at_1000 = metadata(lake.clone()).await;
+        }
+    }
+    if let Some(h) = maintenance.take() {
+        h.await.unwrap().unwrap();
+    }
+    let at_end = metadata(lake.clone()).await;
+    assert_eq!(
+        count(&lake, "select count(*) from signalweave.events").await,
+        10 * COMMITS as i64
+    );
+    let snapshots = lake.snapshots(LakeTable::Events).await.unwrap().len();
+    assert!(snapshots <= 120 + 2 * 60, "{snapshots} snapshots retained");
+    let manifests = lake
+        .maintain(LakeTable::Events, &policy)
+        .await
+        .unwrap()
+        .manifests_before;
+    // Once past the orphan age, a pass leaves only referenced manifest lists and manifests
+    // in the metadata directory.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    lake.maintain(LakeTable::Events, &policy).await.unwrap();
+    let t = lake.table(LakeTable::Events).await.unwrap();
+    let mut referenced = std::collections::HashSet::new();
+    for snapshot in t.metadata().snapshots() {
+        referenced.insert(
+            snapshot
+                .manifest_list()
+                .trim_start_matches("file://")
+                .to_string(),
+        );
+        let list = t.manifest_list_reader(snapshot).load().await.unwrap();
+        for m in list.entries() {
+            referenced.insert(m.manifest_path.trim_start_matches("file://").to_string());
+        }
+    }
+    let dir =
+        std::path::PathBuf::from(t.metadata_location().unwrap().trim_start_matches("file://"));
+    let unreferenced: Vec<_> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().display().to_string())
+        .filter(|p| p.ends_with(".avro") && !referenced.contains(p))
+        .collect();
+    assert!(
+        unreferenced.is_empty(),
+        "{} unreferenced: {unreferenced:?}",
+        unreferenced.len()
+    );
+    assert!(manifests <= 100 + 2 * 60, "{manifests} manifests current");
+    // The metadata file each commit rewrites: bounded by the retained snapshots.
+    assert!(
+        (at_end.0 as f64) < 1.5 * at_1000.0 as f64,
+        "metadata file {} bytes at commit 1,000, {} at {COMMITS}",
+        at_1000.0,
+        at_end.0
+    );
+    // Metadata on disk: at most linear in the data files (3x the commits, 3x the bytes).
+    assert!(
+        (at_end.1 as f64) < 3.5 * at_1000.1 as f64,
+        "metadata on disk {} bytes at commit 1,000, {} at {COMMITS}",
+        at_1000.1,
+        at_end.1
+    );
+    let early = median(latency_ms[900..1_000].to_vec());
+    let late = median(latency_ms[COMMITS - 100..].to_vec());
+    eprintln!(
+        "commit latency median {early:.1} ms at 1,000, {late:.1} ms at {COMMITS}; metadata file \
+         {} -> {} bytes, on disk {} -> {} bytes; {snapshots} snapshots, {manifests} manifests",
+        at_1000.0, at_end.0, at_1000.1, at_end.1
+    );
+    assert!(
+        late < 2.0 * early,
+        "commit latency median {early:.1} ms at commit 1,000, {late:.1} ms at {COMMITS}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twice() {
     use signalweave_lake::{CompactionPolicy, MaintenancePolicy, Retention};
@@ -1023,5 +1182,119 @@ async fn load_lands_valid_records_and_evidences_rejections() {
             count(&lake, "select count(*) from signalweave.rejections").await as u64,
             expected.invalid
         );
+        // Another writer commits to both tables, then every snapshot but that one expires:
+        // no retained snapshot names the load, which is still known: its chunks by their
+        // recorded identities, its geometry by `sw_loads`.
+        let bad = validator
+            .validate_bytes(b"not json", DAY_US, DAY_US)
+            .unwrap_err();
+        let raw: &[u8] = b"not json";
+        lake.append(
+            LakeTable::Rejections,
+            &[signalweave_lake::rejection_batch(DAY_US, "other", &[(raw, 1, bad)]).unwrap()],
+            &CommitIdentity::new("other", 0),
+        )
+        .await
+        .unwrap();
+        lake.append(
+            LakeTable::Events,
+            &[batch(&events(WorkloadSpec {
+                events: 10,
+                dup_fraction: 0.0,
+                ..Default::default()
+            }))],
+            &CommitIdentity::new("other", 0),
+        )
+        .await
+        .unwrap();
+        let later = chrono::Utc::now().timestamp_millis() + 1_000;
+        for table in [LakeTable::Events, LakeTable::Rejections] {
+            let out = lake
+                .expire_snapshots(table, Some(1), Some(later))
+                .await
+                .unwrap();
+            assert_eq!(out.snapshots_after, 1, "{}", b.name);
+        }
+        let third = lake.load_file(&sample, &validator, &options).await.unwrap();
+        assert_eq!(third.accepted, 0, "{}", b.name);
+        assert_eq!(third.accepted_earlier, expected.events);
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.events").await as u64,
+            expected.events + 10
+        );
+        assert_eq!(
+            count(&lake, "select count(*) from signalweave.rejections").await as u64,
+            expected.invalid + 1
+        );
+        let other = LoadOptions {
+            chunk_records: 400,
+            ..options.clone()
+        };
+        let refused = lake
+            .load_file(&sample, &validator, &other)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.kind(), signalweave_model::ErrorKind::InvalidInput);
+        assert!(
+            refused.to_string().contains("chunk geometry r500"),
+            "{refused}"
+        );
+    }
+}
+
+/// The gateway's duplicate index after a restart holds the events ingested within the
+/// horizon, read by ingest time from the current snapshot: no snapshot history needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_duplicate_index_is_rebuilt_by_ingest_time_without_snapshot_history() {
+    use signalweave_gateway::{Seen, identity};
+    let now = chrono::Utc::now().timestamp_micros();
+    let mut all = events(WorkloadSpec {
+        events: 900,
+        dup_fraction: 0.0,
+        ..Default::default()
+    });
+    assert_eq!(all.len(), 900);
+    // Three commits: ingested an hour ago, five minutes ago, a second ago.
+    for (i, e) in all.iter_mut().enumerate() {
+        e.ingest_time_us = match i / 300 {
+            0 => now - 3_600_000_000,
+            1 => now - 300_000_000,
+            _ => now - 1_000_000,
+        };
+    }
+    for b in support::backends() {
+        let lake = open(&b).await;
+        for (i, part) in all.chunks(300).enumerate() {
+            lake.append(
+                LakeTable::Events,
+                &[batch(part)],
+                &CommitIdentity::new("dedup-test", i as u64),
+            )
+            .await
+            .unwrap();
+        }
+        let later = chrono::Utc::now().timestamp_millis() + 1_000;
+        lake.expire_snapshots(LakeTable::Events, Some(1), Some(later))
+            .await
+            .unwrap();
+        // The hour-old commit's files are pruned by their ingest_time statistics.
+        let plan = |from| {
+            lake.plan_column_range(LakeTable::Events, "ingest_time", from, i64::MAX, None, None)
+        };
+        let all_files = plan(i64::MIN).await.unwrap().tasks.len();
+        let recent_files = plan(now - 600_000_000).await.unwrap().tasks.len();
+        assert!(
+            recent_files > 0 && recent_files < all_files,
+            "{recent_files} of {all_files}"
+        );
+        let index = signalweave_gateway::rebuild_dedup(&lake, std::time::Duration::from_secs(600))
+            .await
+            .unwrap();
+        assert_eq!(index.len(), 600, "{}", b.name);
+        for (i, e) in all.iter().enumerate() {
+            let seen = index.check(identity(e.tenant.as_str(), e.event_id.as_str()));
+            let want = if i < 300 { Seen::New } else { Seen::Committed };
+            assert_eq!(seen, want, "{}: event {i}", b.name);
+        }
     }
 }

@@ -211,6 +211,19 @@ enum LakeCommand {
         #[arg(long)]
         older_than_secs: Option<i64>,
     },
+    /// List the positions held against expiry (live checkpoints, backfills, notifiers);
+    /// `--release HOLDER` first releases a retired holder's holds.
+    Holds {
+        /// Release this holder's holds (for example `effects:notifications:live`).
+        #[arg(long)]
+        release: Option<String>,
+        /// With `--release`: only on this table.
+        #[arg(long, requires = "release")]
+        table: Option<String>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
     /// List the snapshots of a table.
     Snapshots {
         /// `events`, `rejections` or `late_events`.
@@ -551,6 +564,52 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     "metadata files deleted",
                     "orphans deleted",
                 ],
+                rows,
+            )?;
+        }
+        Command::Lake(LakeCommand::Holds {
+            release,
+            table,
+            format,
+        }) => {
+            let lake = open_lake(&cli).await?;
+            if let Some(holder) = release {
+                let n = lake.release_holder(holder, table.as_deref()).await?;
+                if n == 0 {
+                    return Err(LakeError::new(
+                        ErrorKind::NotFound,
+                        format!(
+                            "no hold of `{holder}`{} to release",
+                            table
+                                .as_deref()
+                                .map(|t| format!(" on {t}"))
+                                .unwrap_or_default()
+                        ),
+                    )
+                    .into());
+                }
+                eprintln!("released {n} hold(s) of {holder}");
+            }
+            let now = chrono::Utc::now().timestamp_millis();
+            let rows = lake
+                .snapshot_holds()
+                .await?
+                .into_iter()
+                .map(|h| {
+                    vec![
+                        h.table,
+                        h.holder,
+                        h.snapshot_id.to_string(),
+                        chrono::DateTime::from_timestamp_millis(h.updated_ms)
+                            .map(|t| t.to_rfc3339())
+                            .unwrap_or_default(),
+                        format!("{:.0}", (now - h.updated_ms).max(0) as f64 / 1000.0),
+                    ]
+                })
+                .collect();
+            print_rows(
+                *format,
+                &["table", "holder", "snapshot_id", "updated_at", "age_s"],
                 rows,
             )?;
         }

@@ -203,6 +203,15 @@ impl Notifier {
             )
             .await?;
         fault_point("after_intent");
+        // The new position is held like a checkpoint's: expiry keeps it and every later
+        // snapshot, so a notifier stopped for longer than the table's retention resumes.
+        self.lake
+            .hold_snapshot(
+                self.table,
+                &format!("effects:{}:{}", self.spec.name, self.namespace),
+                upto,
+            )
+            .await?;
         tracing::debug!(job = %self.spec.name, namespace = %self.namespace, ?report, "notifier step");
         Ok(report)
     }

@@ -18,8 +18,8 @@ use futures::TryStreamExt;
 use serde::Serialize;
 use signalweave_lake::{Lake, LakeTable, rejection_batch};
 use signalweave_model::{
-    EVENT_COLUMNS, ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry,
-    ValidationLimits, format_rfc3339_micros,
+    ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry, ValidationLimits,
+    format_rfc3339_micros,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -40,16 +40,6 @@ pub const MAX_EVENT_AGE_HEADER: &str = "signalweave-max-event-age";
 
 /// How long a draining gateway waits for a failing store before answering 503.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Field ids of `event_id`, `tenant` and `ingest_time` in `signalweave.events` (the
-/// Iceberg field id of a column is its 1-based position).
-fn dedup_field_ids() -> Vec<i32> {
-    ["event_id", "tenant", "ingest_time"]
-        .iter()
-        .filter_map(|name| EVENT_COLUMNS.iter().position(|c| c == name))
-        .map(|p| p as i32 + 1)
-        .collect()
-}
 
 struct AppState {
     config: GatewayConfig,
@@ -84,35 +74,28 @@ fn now_us() -> i64 {
 }
 
 /// Rebuilds the duplicate index from the landing table: the identities of events ingested
-/// within `horizon`, read from the snapshots committed in that time.
+/// within `horizon`, read from the current snapshot by `ingest_time` (the data files'
+/// column statistics prune everything older), so it needs no snapshot history.
 pub async fn rebuild_dedup(lake: &Lake, horizon: Duration) -> Result<DedupIndex> {
     let horizon_us = i64::try_from(horizon.as_micros()).unwrap_or(i64::MAX);
     let now = now_us();
     let cutoff = now.saturating_sub(horizon_us);
     let mut index = DedupIndex::new(horizon_us);
-    let snapshots = lake.snapshots(LakeTable::Events).await?;
-    // A snapshot committed before the cutoff holds only events ingested before it.
-    let after = snapshots
-        .iter()
-        .filter(|s| s.timestamp_ms.saturating_mul(1000) < cutoff)
-        .max_by_key(|s| s.sequence_number)
-        .map(|s| s.snapshot_id);
-    let plan = match lake.plan_appended_since(LakeTable::Events, after).await {
-        Ok(plan) => plan,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            lake.plan_appended_since(LakeTable::Events, None).await?
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let field_ids = dedup_field_ids();
-    let tasks: Vec<_> = plan
-        .tasks
+    let columns: Vec<String> = ["event_id", "tenant", "ingest_time"]
         .into_iter()
-        .map(|mut t| {
-            t.project_field_ids = field_ids.clone();
-            t
-        })
+        .map(String::from)
         .collect();
+    let plan = lake
+        .plan_column_range(
+            LakeTable::Events,
+            "ingest_time",
+            cutoff,
+            i64::MAX,
+            None,
+            Some(&columns),
+        )
+        .await?;
+    let tasks = plan.tasks;
     if tasks.is_empty() {
         return Ok(index);
     }

@@ -40,9 +40,59 @@ pub const DEFAULT_TARGET_FILE_SIZE: usize = 128 * 1024 * 1024;
 /// How many times an append retries a transient failure (after iceberg's own conflict retries).
 pub const DEFAULT_APPEND_ATTEMPTS: u32 = 30;
 /// How long `sw_commit_identities` remembers the identity of a commit whose snapshot
-/// expired: a retry (a gateway's spooled group, a resumed load, a live job's replayed epoch)
-/// within it is recognised. Seven days.
+/// expired: a retry (a gateway's spooled group, a live job's replayed epoch) within it is
+/// recognised. Seven days. A load's chunk identities are kept as long as `sw_loads`
+/// records the load.
 pub const COMMIT_IDENTITY_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// How long an append waits before its next attempt.
+///
+/// A lost compare-and-set means another writer committed first (an append, or a
+/// maintenance pass every minute or so): its commit is the new base, so the first retry
+/// goes at once; writers that keep colliding spread out over up to 4, 8, … 128 ms. A
+/// transient failure (catalog or object store unavailable) backs off from 50 ms to 2 s.
+/// Each pause is randomised (jitter) so that colliding writers do not collide again.
+#[derive(Debug)]
+struct RetryPause {
+    conflicts: u32,
+    backoff: Duration,
+}
+
+impl Default for RetryPause {
+    fn default() -> Self {
+        Self {
+            conflicts: 0,
+            backoff: Duration::from_millis(50),
+        }
+    }
+}
+
+impl RetryPause {
+    fn next(&mut self, error: &LakeError) -> Duration {
+        if error.kind() == ErrorKind::Conflict {
+            self.conflicts += 1;
+            if self.conflicts == 1 {
+                return Duration::ZERO;
+            }
+            return jitter(Duration::from_millis(1 << self.conflicts.min(7)));
+        }
+        let pause = self.backoff + jitter(self.backoff / 2);
+        self.backoff = (self.backoff * 2).min(Duration::from_secs(2));
+        pause
+    }
+
+    async fn wait(&mut self, error: &LakeError) {
+        let pause = self.next(error);
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+/// A random duration in `[0, max)`.
+fn jitter(max: Duration) -> Duration {
+    max.mul_f64(f64::from(uuid::Uuid::new_v4().as_fields().1) / 65_536.0)
+}
 
 /// Who made a commit: the writer's stable id and its batch sequence number.
 ///
@@ -276,6 +326,17 @@ impl Lake {
         .execute(&control)
         .await
         .map_err(|e| LakeError::sql("create sw_commit_identities", e))?;
+        // Every load, by writer: its file, chunk geometry and validation clock (see
+        // `load.rs`). A resumed load reads them here, whatever the snapshot retention.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_loads (catalog_name VARCHAR(255) NOT NULL, \
+             writer_id VARCHAR(255) NOT NULL, file_digest VARCHAR(255) NOT NULL, \
+             clock_us BIGINT NOT NULL, started_ms BIGINT NOT NULL, \
+             PRIMARY KEY (catalog_name, writer_id))",
+        )
+        .execute(&control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_loads", e))?;
         drop(ddl_lock);
         Ok(Self {
             config,
@@ -594,7 +655,8 @@ impl Lake {
 
     /// Records the commit identities carried by `snapshots`, which an expiry is about to
     /// remove from `table`'s metadata, and forgets records older than
-    /// [`COMMIT_IDENTITY_TTL_MS`]. Runs before the expiry commits: every identity ever
+    /// [`COMMIT_IDENTITY_TTL_MS`], except a load's (recorded in `sw_loads`: a load can be
+    /// resumed whenever, and its chunks must still be recognised). Runs before the expiry commits: every identity ever
     /// committed is always in a retained snapshot or in `sw_commit_identities`.
     pub(crate) async fn record_commit_identities<'a>(
         &self,
@@ -614,14 +676,18 @@ impl Lake {
                 "INSERT INTO sw_commit_identities (catalog_name, table_name, writer_id, batch_seq, \
                  snapshot_id, committed_ms) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 "DELETE FROM sw_commit_identities WHERE catalog_name = ? AND table_name = ? \
-                 AND committed_ms < ?",
+                 AND committed_ms < ? AND NOT EXISTS (SELECT 1 FROM sw_loads l \
+                 WHERE l.catalog_name = sw_commit_identities.catalog_name \
+                 AND l.writer_id = sw_commit_identities.writer_id)",
             )
         } else {
             (
                 "INSERT INTO sw_commit_identities (catalog_name, table_name, writer_id, batch_seq, \
                  snapshot_id, committed_ms) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
                 "DELETE FROM sw_commit_identities WHERE catalog_name = $1 AND table_name = $2 \
-                 AND committed_ms < $3",
+                 AND committed_ms < $3 AND NOT EXISTS (SELECT 1 FROM sw_loads l \
+                 WHERE l.catalog_name = sw_commit_identities.catalog_name \
+                 AND l.writer_id = sw_commit_identities.writer_id)",
             )
         };
         let mut tx = self
@@ -705,7 +771,7 @@ impl Lake {
             }
         }
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-        let mut backoff = Duration::from_millis(50);
+        let mut pause = RetryPause::default();
         let mut written: Option<Vec<DataFile>> = None;
         let mut attempt = 0;
         loop {
@@ -719,11 +785,7 @@ impl Lake {
                     if e.kind() != ErrorKind::Conflict {
                         tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
                     }
-                    // Jitter spreads writers that conflicted with each other.
-                    let jitter =
-                        Duration::from_micros(u64::from(uuid::Uuid::new_v4().as_fields().1) * 10);
-                    tokio::time::sleep(backoff + jitter).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    pause.wait(&e).await;
                 }
                 Err(e) => return Err(e),
             }
@@ -896,7 +958,7 @@ impl Lake {
             files,
             rows,
         } = written;
-        let mut backoff = Duration::from_millis(50);
+        let mut pause = RetryPause::default();
         let mut files = Some(files);
         let mut attempt = 0;
         loop {
@@ -910,10 +972,7 @@ impl Lake {
                     if e.kind() != ErrorKind::Conflict {
                         tracing::warn!(table = table.name(), attempt, error = %e, "commit failed; retrying");
                     }
-                    let jitter =
-                        Duration::from_micros(u64::from(uuid::Uuid::new_v4().as_fields().1) * 10);
-                    tokio::time::sleep(backoff + jitter).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    pause.wait(&e).await;
                     if files.is_none() {
                         // The attempt failed before it could keep its files (for example
                         // while loading the table): nothing was committed, so nothing to
@@ -1028,8 +1087,32 @@ impl Lake {
         snapshot_id: Option<i64>,
         columns: Option<&[String]>,
     ) -> Result<ScanPlan> {
+        self.plan_column_range(
+            table,
+            table.time_column(),
+            from_us,
+            to_us,
+            snapshot_id,
+            columns,
+        )
+        .await
+    }
+
+    /// Plans a scan of `table` for `from_us <= column < to_us`, where `column` is any of
+    /// its timestamp columns, as of `snapshot_id` or the current snapshot, reading only
+    /// `columns` (None: all). Files whose bounds for `column` lie outside the range are
+    /// pruned (by partition for the time column, by the data files' column statistics
+    /// for the others); rows outside it are filtered when read.
+    pub async fn plan_column_range(
+        &self,
+        table: LakeTable,
+        column: &str,
+        from_us: i64,
+        to_us: i64,
+        snapshot_id: Option<i64>,
+        columns: Option<&[String]>,
+    ) -> Result<ScanPlan> {
         let t = self.table(table).await?;
-        let column = table.time_column();
         let predicate = Reference::new(column)
             .greater_than_or_equal_to(Datum::timestamptz_micros(from_us))
             .and(Reference::new(column).less_than(Datum::timestamptz_micros(to_us)));
@@ -1467,4 +1550,31 @@ pub(crate) fn on_table_schema(
         .map(|b| RecordBatch::try_new(Arc::clone(&schema), b.columns().to_vec()))
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| LakeError::arrow(format!("{} batch", table.name()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_race_is_retried_at_once_and_an_outage_backs_off() {
+        let conflict = LakeError::new(ErrorKind::Conflict, "lost the race");
+        let outage = LakeError::new(ErrorKind::Unavailable, "store down");
+        let mut p = RetryPause::default();
+        assert_eq!(p.next(&conflict), Duration::ZERO);
+        for n in 2..40 {
+            let cap = Duration::from_millis(1 << n.min(7));
+            assert!(p.next(&conflict) < cap, "conflict {n}");
+        }
+        let mut p = RetryPause::default();
+        let mut floor = Duration::from_millis(50);
+        for _ in 0..10 {
+            let pause = p.next(&outage);
+            assert!(
+                pause >= floor && pause < floor + floor / 2,
+                "{pause:?} at {floor:?}"
+            );
+            floor = (floor * 2).min(Duration::from_secs(2));
+        }
+    }
 }

@@ -21,11 +21,15 @@ pub const SUMMARY_BATCH_SEQ: &str = "signalweave.batch-seq";
 /// Table property: layout version written by this code.
 pub const PROP_LAYOUT_VERSION: &str = "signalweave.layout-version";
 
-/// Default snapshot retention: 15 minutes (longer than the gateway's 10-minute dedup
-/// horizon). Tables take a commit about every second: every retained snapshot is a line
-/// of the metadata file that each commit rewrites. Positions that must live longer (a
-/// checkpoint, a backfill) are held in `sw_snapshot_holds`.
-pub const DEFAULT_MAX_SNAPSHOT_AGE_MS: i64 = 15 * 60 * 1000;
+/// Default snapshot retention: 2 minutes. Tables take a commit about every second: every
+/// retained snapshot is a line of the metadata file that each commit rewrites, so the
+/// retention sets both the commit latency and the metadata size. Nothing reads history
+/// from retained snapshots: positions that must live longer (a checkpoint, a backfill, a
+/// notifier) are held in `sw_snapshot_holds`, commit identities of expired snapshots are
+/// kept in `sw_commit_identities`, loads in `sw_loads`, and the gateway rebuilds its
+/// duplicate index by ingest time. Time travel reaches back as far as this retention (set
+/// `history.expire.max-snapshot-age-ms` on a table to keep more).
+pub const DEFAULT_MAX_SNAPSHOT_AGE_MS: i64 = 2 * 60 * 1000;
 /// Default number of snapshots always kept.
 pub const DEFAULT_MIN_SNAPSHOTS_TO_KEEP: u64 = 100;
 

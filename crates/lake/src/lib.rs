@@ -49,7 +49,7 @@ pub use layout::{
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
 pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
-    PROP_PREVIOUS_VERSIONS_MAX, Retention,
+    PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold,
 };
 pub use promote::{Promotion, authoritative};
 pub use provider::{COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};

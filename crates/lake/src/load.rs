@@ -6,8 +6,10 @@
 //! its rejections, then its events, each as one append identified by
 //! (`load-<file digest>`, `i`). A load killed at any point leaves whole chunks committed
 //! and nothing partial; running it again skips the committed chunks, so nothing lands
-//! twice. Within a file, a repeated `(tenant, event_id)` is counted as a duplicate and
-//! lands once.
+//! twice, however long ago the first run was: the load is recorded in `sw_loads` (its
+//! chunk geometry and validation clock), and its chunk identities outlive the snapshots
+//! that carried them. Within a file, a repeated `(tenant, event_id)` is counted as a
+//! duplicate and lands once.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, BufReader, Read};
@@ -324,6 +326,139 @@ impl ChunkState<'_> {
 }
 
 impl Lake {
+    /// Records the load `writer` of the file `digest` in `sw_loads` and returns its
+    /// validation clock: the one its first run recorded when it is resumed, else `clock_us`.
+    /// Refuses the file loaded (perhaps partly) under another chunk geometry, which would
+    /// cut other chunks and land its records a second time. Loads made before `sw_loads`
+    /// existed are found in the retained snapshots' summaries.
+    async fn register_load(
+        &self,
+        path: &Path,
+        digest: &str,
+        writer: &str,
+        clock_us: i64,
+    ) -> Result<i64> {
+        let sqlite = self.config().is_sqlite();
+        let catalog = self.config().catalog_name.as_str();
+        let refuse = |other: String| {
+            let geometry = other
+                .trim_start_matches(&format!("load-{digest}-"))
+                .to_owned();
+            LakeError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{} was already loaded (perhaps partly) with chunk geometry {geometry}; rerun with the same --chunk-records to resume",
+                    path.display()
+                ),
+            )
+        };
+        if let Some(other) = self.other_load_writer(digest, writer).await? {
+            return Err(refuse(other));
+        }
+        let select = if sqlite {
+            "SELECT clock_us FROM sw_loads WHERE catalog_name = ? AND writer_id = ?"
+        } else {
+            "SELECT clock_us FROM sw_loads WHERE catalog_name = $1 AND writer_id = $2"
+        };
+        let recorded: Option<(i64,)> = sqlx::query_as(select)
+            .bind(catalog)
+            .bind(writer)
+            .fetch_optional(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("read sw_loads", e))?;
+        if let Some((clock,)) = recorded {
+            return Ok(clock);
+        }
+        // A load begun before `sw_loads` existed recorded its clock in its snapshots.
+        let mut clock = clock_us;
+        for table in [LakeTable::Rejections, LakeTable::Events] {
+            if let Some(v) = self
+                .writer_summary(table, writer, SUMMARY_LOAD_CLOCK)
+                .await?
+                .and_then(|v| v.parse::<i64>().ok())
+            {
+                clock = v;
+                break;
+            }
+        }
+        let insert = if sqlite {
+            "INSERT INTO sw_loads (catalog_name, writer_id, file_digest, clock_us, started_ms) \
+             VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        } else {
+            "INSERT INTO sw_loads (catalog_name, writer_id, file_digest, clock_us, started_ms) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING"
+        };
+        let inserted = sqlx::query(insert)
+            .bind(catalog)
+            .bind(writer)
+            .bind(digest)
+            .bind(clock)
+            .bind(chrono::Utc::now().timestamp_millis())
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("record the load in sw_loads", e))?
+            .rows_affected()
+            > 0;
+        // Two loads of the file with different geometries racing: neither commits.
+        if let Some(other) = self.other_load_writer(digest, writer).await? {
+            if inserted {
+                let delete = if sqlite {
+                    "DELETE FROM sw_loads WHERE catalog_name = ? AND writer_id = ?"
+                } else {
+                    "DELETE FROM sw_loads WHERE catalog_name = $1 AND writer_id = $2"
+                };
+                sqlx::query(delete)
+                    .bind(catalog)
+                    .bind(writer)
+                    .execute(self.control_pool())
+                    .await
+                    .map_err(|e| LakeError::sql("forget a refused load", e))?;
+            }
+            return Err(refuse(other));
+        }
+        // The row a concurrent run of the same load inserted first wins.
+        let (clock,): (i64,) = sqlx::query_as(select)
+            .bind(catalog)
+            .bind(writer)
+            .fetch_one(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("read sw_loads", e))?;
+        Ok(clock)
+    }
+
+    /// Another writer that loaded (perhaps partly) the file `digest`.
+    async fn other_load_writer(&self, digest: &str, writer: &str) -> Result<Option<String>> {
+        let sql = if self.config().is_sqlite() {
+            "SELECT writer_id FROM sw_loads WHERE catalog_name = ? AND file_digest = ? \
+             AND writer_id <> ? ORDER BY writer_id LIMIT 1"
+        } else {
+            "SELECT writer_id FROM sw_loads WHERE catalog_name = $1 AND file_digest = $2 \
+             AND writer_id <> $3 ORDER BY writer_id LIMIT 1"
+        };
+        let row: Option<(String,)> = sqlx::query_as(sql)
+            .bind(self.config().catalog_name.as_str())
+            .bind(digest)
+            .bind(writer)
+            .fetch_optional(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("read sw_loads", e))?;
+        if let Some((other,)) = row {
+            return Ok(Some(other));
+        }
+        let prefix = format!("load-{digest}-");
+        for table in [LakeTable::Events, LakeTable::Rejections] {
+            if let Some(other) = self
+                .writers_with_prefix(table, &prefix)
+                .await?
+                .into_iter()
+                .find(|w| w != writer)
+            {
+                return Ok(Some(other));
+            }
+        }
+        Ok(None)
+    }
+
     /// Loads a file of wire-form events (NDJSON, or Parquet with the wire columns
     /// `event_id, event_type, schema_version, tenant, producer_id, producer_seq,
     /// event_time, partition_key, order_id, customer_id, market_id, business_version,
@@ -351,38 +486,14 @@ impl Lake {
             "load-{digest}-r{}-b{}",
             options.chunk_records, options.chunk_bytes
         );
-        // The same file loaded with another chunk geometry would cut other chunks: refuse
-        // rather than land its records a second time.
-        for table in [LakeTable::Events, LakeTable::Rejections] {
-            let prefix = format!("load-{digest}-");
-            if let Some(other) = self
-                .writers_with_prefix(table, &prefix)
-                .await?
-                .into_iter()
-                .find(|w| *w != writer)
-            {
-                let geometry = other.trim_start_matches(&prefix);
-                return Err(LakeError::new(
-                    ErrorKind::InvalidInput,
-                    format!(
-                        "{} was already loaded (perhaps partly) with chunk geometry {geometry}; rerun with the same --chunk-records to resume",
-                        path.display()
-                    ),
-                ));
-            }
-        }
-        // A resumed load reuses the clock its first commit recorded.
-        let mut recorded = None;
-        for table in [LakeTable::Rejections, LakeTable::Events] {
-            if let Some(v) = self
-                .writer_summary(table, &writer, SUMMARY_LOAD_CLOCK)
-                .await?
-            {
-                recorded = v.parse::<i64>().ok();
-                break;
-            }
-        }
-        let clock_us = recorded.or(options.now_us).unwrap_or_else(now_us);
+        let clock_us = self
+            .register_load(
+                path,
+                &digest,
+                &writer,
+                options.now_us.unwrap_or_else(now_us),
+            )
+            .await?;
         let mut state = ChunkState {
             lake: self,
             validator,

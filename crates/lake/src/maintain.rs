@@ -25,7 +25,10 @@
 //!
 //! **The orphan sweep** deletes files under the table's location that no retained
 //! snapshot references (left by failed or killed writers) once they are older than a
-//! safety age, so a file being written by a commit in flight is never taken.
+//! safety age, so a file being written by a commit in flight is never taken. Every pass
+//! does this for the metadata directory (the manifest lists and manifests of commits that
+//! lost their compare-and-set: about one in fifty appends at one commit per second with
+//! maintenance beside them); the whole location, data files included, on request.
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
@@ -61,6 +64,11 @@ pub struct MaintenancePolicy {
     pub expire: bool,
     /// Files younger than this are never taken by the orphan sweep; `None` skips it.
     pub orphan_safety_age: Option<Duration>,
+    /// Every pass deletes the manifest lists and manifests in the table's metadata
+    /// directory that no retained snapshot references once they are this old (what a
+    /// commit that lost its compare-and-set, or a killed writer, left); `None` skips it.
+    /// It lists the metadata directory only, which each pass lists anyway.
+    pub metadata_orphan_age: Option<Duration>,
     /// Overrides the table's retention properties for this pass.
     pub retention: Option<Retention>,
     /// Expire held positions too (erasure only: the old files must go).
@@ -93,6 +101,7 @@ impl Default for MaintenancePolicy {
             manifest_target_bytes: Self::DEFAULT_MANIFEST_TARGET_BYTES,
             expire: true,
             orphan_safety_age: None,
+            metadata_orphan_age: Some(Self::DEFAULT_ORPHAN_SAFETY_AGE),
             retention: None,
             override_holds: false,
         }
@@ -116,6 +125,19 @@ pub struct MaintenanceReport {
     pub deleted: DeletedFiles,
     /// CAS conflicts lost to concurrent writers (each retried on the new base).
     pub conflicts: u32,
+}
+
+/// A position held against expiry (`sw_snapshot_holds`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotHold {
+    /// The table.
+    pub table: String,
+    /// Who holds it: `job:…` (a checkpoint), `backfill:…`, `effects:…`.
+    pub holder: String,
+    /// The held snapshot (it and every later one are kept).
+    pub snapshot_id: i64,
+    /// When the holder last moved it, ms since the epoch.
+    pub updated_ms: i64,
 }
 
 /// Files deleted by maintenance, by kind.
@@ -320,7 +342,11 @@ impl Lake {
             )
             .await?;
         }
-        report.deleted.metadata_files += self.delete_stale_metadata(table).await?;
+        let (stale, orphans) = self
+            .clean_metadata_dir(table, policy.metadata_orphan_age)
+            .await?;
+        report.deleted.metadata_files += stale;
+        report.deleted.orphans += orphans;
         if let Some(age) = policy.orphan_safety_age {
             report.deleted.orphans += self.sweep_orphans(table, age).await?;
         }
@@ -627,17 +653,80 @@ impl Lake {
         Ok(())
     }
 
-    async fn reachable(&self, base: &Table, snapshot_ids: &HashSet<i64>) -> Result<Reachable> {
+    /// Every hold of the catalog, by table and holder: the positions expiry keeps (with
+    /// every later snapshot of their table).
+    pub async fn snapshot_holds(&self) -> Result<Vec<SnapshotHold>> {
+        let sql = if self.config().is_sqlite() {
+            "SELECT table_name, holder, snapshot_id, updated_ms FROM sw_snapshot_holds \
+             WHERE catalog_name = ? ORDER BY table_name, holder"
+        } else {
+            "SELECT table_name, holder, snapshot_id, updated_ms FROM sw_snapshot_holds \
+             WHERE catalog_name = $1 ORDER BY table_name, holder"
+        };
+        let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(sql)
+            .bind(self.config().catalog_name.as_str())
+            .fetch_all(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("read snapshot holds", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|(table, holder, snapshot_id, updated_ms)| SnapshotHold {
+                table,
+                holder,
+                snapshot_id,
+                updated_ms,
+            })
+            .collect())
+    }
+
+    /// Releases `holder`'s holds (on `table` only, or on every table): for a job,
+    /// backfill or notifier retired for good, whose position would otherwise keep every
+    /// later snapshot. Returns how many holds were released.
+    pub async fn release_holder(&self, holder: &str, table: Option<&str>) -> Result<u64> {
+        let sqlite = self.config().is_sqlite();
+        let sql = match (sqlite, table.is_some()) {
+            (true, false) => "DELETE FROM sw_snapshot_holds WHERE catalog_name = ? AND holder = ?",
+            (true, true) => {
+                "DELETE FROM sw_snapshot_holds WHERE catalog_name = ? AND holder = ? \
+                 AND table_name = ?"
+            }
+            (false, false) => {
+                "DELETE FROM sw_snapshot_holds WHERE catalog_name = $1 AND holder = $2"
+            }
+            (false, true) => {
+                "DELETE FROM sw_snapshot_holds WHERE catalog_name = $1 AND holder = $2 \
+                 AND table_name = $3"
+            }
+        };
+        let mut q = sqlx::query(sql)
+            .bind(self.config().catalog_name.as_str())
+            .bind(holder);
+        if let Some(t) = table {
+            q = q.bind(t);
+        }
+        let done = q
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("release snapshot holds", e))?;
+        Ok(done.rows_affected())
+    }
+
+    /// The manifest lists of `snapshot_ids` and the manifests they list (lists read
+    /// through the cache).
+    async fn manifest_lists_of(
+        &self,
+        base: &Table,
+        snapshot_ids: &HashSet<i64>,
+    ) -> Result<(HashSet<String>, HashMap<String, ManifestFile>)> {
         let md = base.metadata();
-        let io = base.file_io();
-        let mut out = Reachable::default();
+        let mut lists = HashSet::new();
         let mut manifests: HashMap<String, ManifestFile> = HashMap::new();
         for s in md
             .snapshots()
             .filter(|s| snapshot_ids.contains(&s.snapshot_id()))
         {
             let path = s.manifest_list().to_string();
-            out.manifest_lists.insert(path.clone());
+            lists.insert(path.clone());
             let cached = lock(&self.manifest_cache).lists.get(&path).cloned();
             let list = match cached {
                 Some(l) => l,
@@ -661,6 +750,16 @@ impl Lake {
                     .or_insert_with(|| m.clone());
             }
         }
+        Ok((lists, manifests))
+    }
+
+    async fn reachable(&self, base: &Table, snapshot_ids: &HashSet<i64>) -> Result<Reachable> {
+        let io = base.file_io();
+        let (manifest_lists, manifests) = self.manifest_lists_of(base, snapshot_ids).await?;
+        let mut out = Reachable {
+            manifest_lists,
+            ..Default::default()
+        };
         let mut missing = Vec::new();
         {
             let cache = lock(&self.manifest_cache);
@@ -821,8 +920,14 @@ impl Lake {
     }
 
     /// Deletes metadata files older than the oldest one the current metadata log keeps
-    /// (versions are monotonic, so a commit in flight only writes newer ones).
-    async fn delete_stale_metadata(&self, table: LakeTable) -> Result<usize> {
+    /// (versions are monotonic, so a commit in flight only writes newer ones), and, with
+    /// `orphan_age`, the manifest lists and manifests no retained snapshot references that
+    /// are older than it. Returns both counts.
+    async fn clean_metadata_dir(
+        &self,
+        table: LakeTable,
+        orphan_age: Option<Duration>,
+    ) -> Result<(usize, usize)> {
         let base = self.table(table).await?;
         let md = base.metadata();
         let version_of = |path: &str| -> Option<u64> {
@@ -838,18 +943,45 @@ impl Lake {
             keep.push(v);
         }
         let Some(oldest) = keep.into_iter().min() else {
-            return Ok(0);
+            return Ok((0, 0));
         };
         let files = self
             .list_files(&format!("{}/metadata", md.location()))
             .await?;
+        let is_metadata =
+            |p: &str| p.ends_with(".metadata.json") || p.ends_with(".metadata.json.gz");
         let stale: Vec<String> = files
-            .into_iter()
-            .filter(|(p, _)| p.ends_with(".metadata.json") || p.ends_with(".metadata.json.gz"))
+            .iter()
+            .filter(|(p, _)| is_metadata(p))
             .filter(|(p, _)| version_of(p).is_some_and(|v| v < oldest))
+            .map(|(p, _)| p.clone())
+            .collect();
+        let stale = delete_all(base.file_io(), stale).await;
+        let Some(age) = orphan_age else {
+            return Ok((stale, 0));
+        };
+        let cutoff = chrono::Utc::now()
+            - chrono::Duration::from_std(age).unwrap_or(chrono::Duration::hours(1));
+        let old: Vec<&String> = files
+            .iter()
+            .filter(|(p, modified)| *modified < cutoff && p.ends_with(".avro"))
             .map(|(p, _)| p)
             .collect();
-        Ok(delete_all(base.file_io(), stale).await)
+        if old.is_empty() {
+            return Ok((stale, 0));
+        }
+        let ids: HashSet<i64> = md.snapshots().map(|s| s.snapshot_id()).collect();
+        let (lists, manifests) = self.manifest_lists_of(&base, &ids).await?;
+        let orphans: Vec<String> = old
+            .into_iter()
+            .filter(|p| !lists.contains(*p) && !manifests.contains_key(*p))
+            .cloned()
+            .collect();
+        {
+            let mut cache = lock(&self.manifest_cache);
+            cache.forget(&orphans);
+        }
+        Ok((stale, delete_all(base.file_io(), orphans).await))
     }
 
     /// Deletes files under the table's location that no retained snapshot or metadata
