@@ -50,6 +50,11 @@ fn land_in(lake: &Path, dir: &Path) {
         .args(["--chunk-records", "1000"])
         .output()
         .unwrap());
+    run_until_caught_up(lake);
+}
+
+/// Runs the live customer_features job until it has read every landed event.
+fn run_until_caught_up(lake: &Path) {
     ok(sw(lake)
         .args([
             "run",
@@ -219,15 +224,7 @@ fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
         .output()
         .unwrap());
     ok(sw(&clean).arg("load").arg(&more).output().unwrap());
-    ok(sw(&clean)
-        .args([
-            "run",
-            "--job",
-            "jobs/customer_features.toml",
-            "--until-caught-up",
-        ])
-        .output()
-        .unwrap());
+    run_until_caught_up(&clean);
     ok(sw(&clean)
         .args([
             "lake",
