@@ -312,6 +312,22 @@ async fn maintenance_merges_manifests_expires_unheld_snapshots_and_keeps_every_r
         // it and the 21 after it stay (17 of them only because of the hold).
         assert_eq!(r.snapshots_expired, 9, "{}: {r:?}", b.name);
         assert_eq!(r.snapshots_held, 17);
+        // The loops warn when holds keep this much history, naming the holder.
+        let warning = lake
+            .held_history_warning(LakeTable::Events, &r, 17)
+            .await
+            .unwrap()
+            .expect("17 snapshots kept only by the hold");
+        assert!(
+            warning.contains("tail-test (moved") && warning.contains("--release"),
+            "{warning}"
+        );
+        assert_eq!(
+            lake.held_history_warning(LakeTable::Events, &r, 18)
+                .await
+                .unwrap(),
+            None
+        );
         assert!(r.deleted.manifest_lists >= 9, "{}: {r:?}", b.name);
         assert_eq!(
             r.deleted.data_files, 0,

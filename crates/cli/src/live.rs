@@ -428,7 +428,13 @@ async fn maintenance_loop(
         }
         for t in &tables {
             match lake.maintain(*t, &policy).await {
-                Ok(r) => tracing::debug!(table = t.name(), report = ?r, "maintenance pass"),
+                Ok(r) => {
+                    tracing::debug!(table = t.name(), report = ?r, "maintenance pass");
+                    let threshold = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
+                    if let Ok(Some(warning)) = lake.held_history_warning(*t, &r, threshold).await {
+                        tracing::warn!("{warning}");
+                    }
+                }
                 Err(e) => tracing::warn!(table = t.name(), error = %e, "maintenance pass failed"),
             }
         }

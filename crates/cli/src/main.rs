@@ -508,26 +508,34 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 orphan_safety_age: *orphans_older_than,
                 ..Default::default()
             };
+            let held_warning = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
             if let Some(every) = every {
                 let stop = ingest::shutdown_signal();
                 tokio::pin!(stop);
                 loop {
                     for t in &tables {
                         match lake.maintain(*t, &policy).await {
-                            Ok(r) => eprintln!(
-                                "{} {}: manifests {} -> {}, {} snapshots expired ({} held), {} files deleted",
-                                chrono::Utc::now().format("%H:%M:%S"),
-                                t.name(),
-                                r.manifests_before,
-                                r.manifests_after,
-                                r.snapshots_expired,
-                                r.snapshots_held,
-                                r.deleted.manifest_lists
-                                    + r.deleted.manifests
-                                    + r.deleted.data_files
-                                    + r.deleted.metadata_files
-                                    + r.deleted.orphans
-                            ),
+                            Ok(r) => {
+                                eprintln!(
+                                    "{} {}: manifests {} -> {}, {} snapshots expired ({} held), {} files deleted",
+                                    chrono::Utc::now().format("%H:%M:%S"),
+                                    t.name(),
+                                    r.manifests_before,
+                                    r.manifests_after,
+                                    r.snapshots_expired,
+                                    r.snapshots_held,
+                                    r.deleted.manifest_lists
+                                        + r.deleted.manifests
+                                        + r.deleted.data_files
+                                        + r.deleted.metadata_files
+                                        + r.deleted.orphans
+                                );
+                                if let Ok(Some(w)) =
+                                    lake.held_history_warning(*t, &r, held_warning).await
+                                {
+                                    eprintln!("warning: {w}");
+                                }
+                            }
                             Err(e) => eprintln!("{}: maintenance pass failed: {e}", t.name()),
                         }
                     }
@@ -541,6 +549,9 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let mut rows = Vec::new();
             for t in tables {
                 let r = lake.maintain(t, &policy).await?;
+                if let Some(w) = lake.held_history_warning(t, &r, held_warning).await? {
+                    eprintln!("warning: {w}");
+                }
                 rows.push(vec![
                     t.name().to_string(),
                     format!("{} -> {}", r.manifests_before, r.manifests_after),

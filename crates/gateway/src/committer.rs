@@ -648,7 +648,15 @@ impl Committer {
             let policy = signalweave_lake::MaintenancePolicy::default();
             for table in [LakeTable::Events, LakeTable::Rejections] {
                 match lake.maintain(table, &policy).await {
-                    Ok(r) => tracing::debug!(table = table.name(), report = ?r, "maintenance pass"),
+                    Ok(r) => {
+                        tracing::debug!(table = table.name(), report = ?r, "maintenance pass");
+                        let threshold = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
+                        if let Ok(Some(warning)) =
+                            lake.held_history_warning(table, &r, threshold).await
+                        {
+                            tracing::warn!("{warning}");
+                        }
+                    }
                     Err(e) => {
                         tracing::warn!(table = table.name(), error = %e, "maintenance pass failed")
                     }

@@ -90,6 +90,9 @@ impl MaintenancePolicy {
     pub const DEFAULT_MIN_MANIFESTS_TO_MERGE: usize = 100;
     /// Default merged manifest size: 8 MiB.
     pub const DEFAULT_MANIFEST_TARGET_BYTES: u64 = 8 * 1024 * 1024;
+    /// Snapshots kept only by holds beyond which the maintenance loops warn: an hour of
+    /// commits at one per second.
+    pub const HELD_SNAPSHOTS_WARNING: usize = 3_600;
     /// Default orphan safety age: 1 hour.
     pub const DEFAULT_ORPHAN_SAFETY_AGE: Duration = Duration::from_secs(3600);
 }
@@ -651,6 +654,43 @@ impl Lake {
             .await
             .map_err(|e| LakeError::sql("release a snapshot hold", e))?;
         Ok(())
+    }
+
+    /// After a pass over `table` that kept at least `threshold` snapshots only because of
+    /// holds, a warning naming the holders (with how long ago each moved) and how to
+    /// release a retired one; `None` otherwise. The maintenance loops log it: a hold
+    /// never expires by itself, and one a retired job, backfill or notifier left keeps
+    /// every later snapshot, so the metadata grows again.
+    pub async fn held_history_warning(
+        &self,
+        table: LakeTable,
+        report: &MaintenanceReport,
+        threshold: usize,
+    ) -> Result<Option<String>> {
+        if report.snapshots_held < threshold {
+            return Ok(None);
+        }
+        let now = chrono::Utc::now().timestamp_millis();
+        let holders: Vec<String> = self
+            .snapshot_holds()
+            .await?
+            .into_iter()
+            .filter(|h| h.table == table.name())
+            .map(|h| {
+                format!(
+                    "{} (moved {} s ago)",
+                    h.holder,
+                    (now - h.updated_ms).max(0) / 1000
+                )
+            })
+            .collect();
+        Ok(Some(format!(
+            "{}: {} snapshots are kept only by holds: {}; if a holder is retired, release it \
+             with `signalweave lake holds --release HOLDER`",
+            table.name(),
+            report.snapshots_held,
+            holders.join(", ")
+        )))
     }
 
     /// Every hold of the catalog, by table and holder: the positions expiry keeps (with
