@@ -641,18 +641,7 @@ impl Lake {
 
     /// Releases `holder`'s hold on `table`.
     pub async fn release_snapshot(&self, table: LakeTable, holder: &str) -> Result<()> {
-        let sql = if self.config().is_sqlite() {
-            "DELETE FROM sw_snapshot_holds WHERE catalog_name = ? AND table_name = ? AND holder = ?"
-        } else {
-            "DELETE FROM sw_snapshot_holds WHERE catalog_name = $1 AND table_name = $2 AND holder = $3"
-        };
-        sqlx::query(sql)
-            .bind(self.config().catalog_name.as_str())
-            .bind(table.name())
-            .bind(holder)
-            .execute(self.control_pool())
-            .await
-            .map_err(|e| LakeError::sql("release a snapshot hold", e))?;
+        self.release_holder(holder, Some(table.name())).await?;
         Ok(())
     }
 
