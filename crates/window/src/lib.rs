@@ -17,6 +17,7 @@
 
 mod engine;
 mod error;
+mod keys;
 mod output;
 mod spec;
 mod state;

@@ -386,26 +386,21 @@ impl WindowEngine {
                 "state accumulators do not match the job's aggregates".into()
             ));
         }
-        if let Some(k) = state
-            .key_names
-            .iter()
-            .find(|k| self.key_ids.contains_key(k.as_str()))
-        {
+        if let Some(k) = state.key_names.iter().find(|k| self.keys.get(k).is_some()) {
             return Err(bad(format!("key `{k}` is already held by this engine")));
         }
         // One allocation per map instead of repeated growth (millions of entries).
-        self.key_ids.reserve(n_keys);
+        self.keys
+            .reserve(n_keys, state.key_names.iter().map(String::len).sum());
         self.key_names.reserve(n_keys);
         self.key_group.reserve(n_keys);
         self.slab.reserve(panes * stride);
         self.dedup.reserve(dedups);
         let mut ids = Vec::with_capacity(n_keys);
         for name in state.key_names {
-            let id = self.key_names.len() as u32;
+            let id = self.keys.push(&name);
             let kg = self.key_group_of(&name);
-            let name: Arc<str> = name.into();
-            self.key_ids.insert(Arc::clone(&name), id);
-            self.key_names.push(name);
+            self.key_names.push(name.into());
             self.key_group.push(kg);
             ids.push(id);
         }
@@ -541,7 +536,14 @@ impl WindowEngine {
     /// The state held now.
     pub fn state_size(&self) -> StateSize {
         let stride_bytes = self.layout.stride * 8;
-        let key_bytes: usize = self.key_names.iter().map(|k| k.len() + 16 + 24 + 2).sum();
+        // Per key: its shared name (counts and bytes) and that name's slot, its key group,
+        // and the key table.
+        let key_bytes: usize = self
+            .key_names
+            .iter()
+            .map(|k| 16 + k.len() + 16 + 2)
+            .sum::<usize>()
+            + self.keys.heap_bytes();
         let panes: usize = self.key_panes.iter().map(Vec::len).sum();
         let windows: usize = self.key_windows.iter().map(Vec::len).sum();
         // Two lists per key; a pane or window entry is 16 bytes.
