@@ -34,6 +34,7 @@ use sqlx::any::AnyPoolOptions;
 use crate::config::{LakeConfig, Warehouse};
 use crate::error::{LakeError, Result};
 use crate::layout::{LakeTable, NAMESPACE, SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID};
+use crate::pinned::PinnedCatalog;
 
 /// Default target size of a data file written by an append: 128 MiB.
 pub const DEFAULT_TARGET_FILE_SIZE: usize = 128 * 1024 * 1024;
@@ -738,11 +739,11 @@ impl Lake {
     /// Appends `batches` to `table` as Parquet data files in one fast-append commit
     /// recorded under `identity`.
     ///
-    /// Idempotent: if a retained snapshot already carries `identity`, nothing is written
-    /// and the outcome says `already_committed`. Commit conflicts are retried on the new
-    /// base by iceberg; transient failures (catalog or object store unavailable) are
-    /// retried here with exponential backoff, checking `identity` before each retry, so
-    /// an attempt whose outcome was unknown is never applied twice.
+    /// Idempotent: if the table already carries `identity` (see [`Lake::committed`]),
+    /// nothing is written and the outcome says `already_committed`. Commit conflicts and
+    /// transient failures (catalog or object store unavailable) are retried here, checking
+    /// `identity` before each retry, so neither a racing writer with the same identity nor
+    /// an attempt whose outcome was unknown is ever applied twice.
     pub async fn append(
         &self,
         table: LakeTable,
@@ -836,7 +837,13 @@ impl Lake {
         let tx = action
             .apply(tx)
             .map_err(|e| LakeError::iceberg("plan append", e))?;
-        match tx.commit(self.catalog.as_ref()).await {
+        // Pinned to `current`: a table another writer moved since the identity check is a
+        // conflict, retried from that check, never a silent re-apply (see `pinned`).
+        let pinned = PinnedCatalog {
+            inner: self.catalog.as_ref(),
+            base: &current,
+        };
+        match tx.commit(&pinned).await {
             Ok(committed) => {
                 let snapshot_id = Self::find_commit(&committed, identity)
                     .or_else(|| committed.metadata().current_snapshot_id())
@@ -1555,6 +1562,79 @@ pub(crate) fn on_table_schema(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn events(n: u64) -> RecordBatch {
+        let mut b = signalweave_model::EventBatchBuilder::with_capacity(n as usize);
+        let spec = signalweave_fixtures::WorkloadSpec {
+            events: n,
+            ..Default::default()
+        };
+        for r in signalweave_fixtures::Generator::new(spec) {
+            if let signalweave_fixtures::Record::Event(e) = r {
+                b.push(&e);
+            }
+        }
+        b.finish().expect("a batch of generated events")
+    }
+
+    /// Two writers with one identity read the table before either commits. iceberg's own
+    /// commit re-applies the second on the table the first moved: the append would land
+    /// twice. Pinned to the table it read, the second commit is a conflict instead, and
+    /// `append` then finds the first writer's commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_racer_with_the_same_identity_conflicts_instead_of_landing_twice() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        let identity = CommitIdentity::new("racer", 1);
+        let data = events(50);
+        let stale = lake.table(LakeTable::Events).await.expect("table");
+        assert_eq!(
+            lake.committed(LakeTable::Events, &stale, &identity)
+                .await
+                .ok(),
+            Some(None)
+        );
+        let files = lake
+            .write_data_files(&stale, std::slice::from_ref(&data), &identity)
+            .await
+            .expect("write");
+        let first = lake
+            .append(LakeTable::Events, std::slice::from_ref(&data), &identity)
+            .await
+            .expect("first append");
+        assert!(!first.already_committed);
+        let racer = |files: Vec<DataFile>| {
+            let tx = Transaction::new(&stale);
+            tx.fast_append()
+                .with_check_duplicate(false)
+                .add_data_files(files)
+                .apply(Transaction::new(&stale))
+                .expect("plan")
+        };
+        let pinned = PinnedCatalog {
+            inner: lake.catalog.as_ref(),
+            base: &stale,
+        };
+        let lost = racer(files.clone()).commit(&pinned).await;
+        assert!(
+            matches!(&lost, Err(e) if e.kind() == iceberg::ErrorKind::CatalogCommitConflicts),
+            "{lost:?}"
+        );
+        // The hazard itself: unpinned, iceberg re-applies the stale append on the new table.
+        let doubled = racer(files)
+            .commit(lake.catalog.as_ref())
+            .await
+            .expect("iceberg re-applies the append");
+        assert_eq!(doubled.metadata().snapshots().count(), 2);
+        let again = lake
+            .append(LakeTable::Events, std::slice::from_ref(&data), &identity)
+            .await
+            .expect("retry");
+        assert!(again.already_committed);
+    }
 
     #[test]
     fn a_lost_race_is_retried_at_once_and_an_outage_backs_off() {

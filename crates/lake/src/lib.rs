@@ -28,6 +28,7 @@ mod lake;
 mod layout;
 mod load;
 mod maintain;
+mod pinned;
 mod promote;
 mod provider;
 mod sql;
