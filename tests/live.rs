@@ -409,7 +409,8 @@ fn up_runs_gateway_job_and_serving_in_one_process() {
     let mut cmd = sw(&lake);
     cmd.args(["up", "--job", job.to_str().unwrap()])
         .args(["--gateway-listen", &format!("127.0.0.1:{gw_port}")])
-        .args(["--serve-listen", &format!("127.0.0.1:{serve_port}")]);
+        .args(["--serve-listen", &format!("127.0.0.1:{serve_port}")])
+        .args(["--maintain-every", "1s"]);
     let p = Proc::spawn(cmd);
     p.wait_log("signalweave up:", Duration::from_secs(60));
     let produced = sw(&lake)
@@ -454,6 +455,24 @@ fn up_runs_gateway_job_and_serving_in_one_process() {
         .map(|w| w["events"].as_i64().unwrap())
         .sum();
     assert_eq!(events, accepted, "{v}");
+    // Maintenance shows every hold's age (the job's checkpoint holds its source position)
+    // and the snapshots holds alone keep.
+    let metrics = get(&format!("{base}/metrics")).unwrap();
+    let hold = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("signalweave_job_lake_hold_age_seconds{")
+                && l.contains("table=\"events\"")
+                && l.contains("market_aggregates")
+        })
+        .unwrap_or_else(|| panic!("no hold age of the job's source position: {metrics}"));
+    let age: f64 = hold.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!((0.0..60.0).contains(&age), "{hold}");
+    assert!(
+        metrics.contains("signalweave_job_lake_held_snapshots{table=\"market_aggregates\"}")
+            || metrics.contains("signalweave_job_lake_held_snapshots{table=\"late_events\"}"),
+        "{metrics}"
+    );
     let log = p.terminate();
     assert!(
         log.contains("gateway stopped: ") && log.contains("0 abandoned"),

@@ -366,6 +366,7 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
             tables,
             args.maintain_every,
             maintenance_stopped,
+            Arc::clone(&jobs.metrics),
         ))
     });
     let (stop_notify, notify_stopped) = stop_signal();
@@ -412,12 +413,14 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
 
 /// One maintenance pass over `tables` every `every`, one at a time, until `stop`: its
 /// budget is one table at a time and the gaps between passes, so it never competes with
-/// ingestion for more than one commit slot.
+/// ingestion for more than one commit slot. After each round, `metrics` show the
+/// snapshots kept only by holds and every hold's age.
 async fn maintenance_loop(
     lake: Lake,
     tables: Vec<LakeTable>,
     every: Duration,
     stop: impl std::future::Future<Output = ()>,
+    metrics: Arc<RunnerMetrics>,
 ) {
     tokio::pin!(stop);
     let policy = signalweave_lake::MaintenancePolicy::default();
@@ -430,6 +433,10 @@ async fn maintenance_loop(
             match lake.maintain(*t, &policy).await {
                 Ok(r) => {
                     tracing::debug!(table = t.name(), report = ?r, "maintenance pass");
+                    metrics
+                        .lake_held_snapshots
+                        .get_or_create(&vec![("table".to_string(), t.name().to_string())])
+                        .set(r.snapshots_held as i64);
                     let threshold = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
                     if let Ok(Some(warning)) = lake.held_history_warning(*t, &r, threshold).await {
                         tracing::warn!("{warning}");
@@ -437,6 +444,10 @@ async fn maintenance_loop(
                 }
                 Err(e) => tracing::warn!(table = t.name(), error = %e, "maintenance pass failed"),
             }
+        }
+        match lake.snapshot_holds().await {
+            Ok(holds) => metrics.record_holds(&holds, chrono::Utc::now().timestamp_millis()),
+            Err(e) => tracing::warn!(error = %e, "reading snapshot holds failed"),
         }
     }
 }
