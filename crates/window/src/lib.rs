@@ -15,6 +15,7 @@
 //! state: panes, windows, sessions, timers, dedup identities, per-input watermarks,
 //! pending emissions).
 
+mod dedup;
 mod engine;
 mod error;
 mod keys;

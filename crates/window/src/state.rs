@@ -239,8 +239,7 @@ impl WindowEngine {
         let mut dedup: Vec<(u128, i64, u16)> = self
             .dedup
             .iter()
-            .filter(|(_, (_, kg))| groups.contains(kg))
-            .map(|(id, (exp, kg))| (*id, *exp, *kg))
+            .filter(|(_, _, kg)| groups.contains(kg))
             .collect();
         dedup.sort_unstable();
         let state = StateV2 {
@@ -501,7 +500,7 @@ impl WindowEngine {
                     .collect();
             }
             for i in 0..dedups {
-                dedup_map.insert(dedup_ids[i], (dedup_expiry[i], dedup_groups[i]));
+                dedup_map.insert(dedup_ids[i], dedup_expiry[i], dedup_groups[i]);
             }
             other
                 .join()
@@ -564,7 +563,7 @@ impl WindowEngine {
             timers,
             dedup_identities: self.dedup.len(),
             window_state_bytes: key_bytes + pane_bytes + window_bytes + timer_bytes + session_bytes,
-            dedup_bytes: self.dedup.len() * (16 + 16 + 1),
+            dedup_bytes: self.dedup.heap_bytes(),
         }
     }
 }
