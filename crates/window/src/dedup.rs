@@ -19,77 +19,40 @@ struct Slot {
 }
 
 /// The identities seen within the dedup horizon. See the module docs.
-///
-/// The slots are split into [`SEGMENTS`] segments by the digest's top byte, each grown on
-/// its own: a set that grows as a live job runs rebuilds a two-hundred-and-fifty-sixth of
-/// itself at a time, in cache, instead of stalling on one rebuild of tens of megabytes.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct DedupSet {
-    /// Empty until the first identity arrives, then [`SEGMENTS`] long.
-    segments: Vec<Segment>,
-    /// The identity whose digest is `0`, which a slot cannot hold.
-    zero: Option<(i64, u16)>,
-}
-
-/// Segments of a [`DedupSet`].
-const SEGMENTS: usize = 256;
-
-/// Slots of a segment when it first holds an identity.
-const MIN_SLOTS: usize = 16;
-
-/// One segment: slots probed linearly.
-#[derive(Debug, Clone, Default)]
-struct Segment {
     /// A power of two long (or empty), at most half full.
     slots: Vec<Slot>,
     /// Occupied slots.
     len: usize,
+    /// The identity whose digest is `0`, which a slot cannot hold.
+    zero: Option<(i64, u16)>,
 }
+
+const MIN_SLOTS: usize = 1024;
 
 #[inline]
 fn home(id: u128, mask: usize) -> usize {
     ((id as u64) ^ ((id >> 64) as u64)) as usize & mask
 }
 
-#[inline]
-fn segment_of(id: u128) -> usize {
-    (id >> 120) as usize
-}
-
 impl DedupSet {
     /// Identities held.
     pub fn len(&self) -> usize {
-        self.segments.iter().map(|s| s.len).sum::<usize>() + usize::from(self.zero.is_some())
+        self.len + usize::from(self.zero.is_some())
     }
 
     /// Heap bytes held.
     pub fn heap_bytes(&self) -> usize {
-        self.segments.capacity() * std::mem::size_of::<Segment>()
-            + self
-                .segments
-                .iter()
-                .map(|s| s.slots.capacity() * std::mem::size_of::<Slot>())
-                .sum::<usize>()
+        self.slots.capacity() * std::mem::size_of::<Slot>()
     }
 
-    /// Makes room for `more` identities without growing (spread evenly over the
-    /// segments, as uniform digests are, with a margin).
+    /// Makes room for `more` identities without growing.
     pub fn reserve(&mut self, more: usize) {
-        // Growing a few identities is cheap: only a sizeable reserve is worth its memory.
-        if more < SEGMENTS * MIN_SLOTS {
-            return;
+        let need = self.len.saturating_add(more).saturating_mul(2);
+        if need > self.slots.len() {
+            self.rebuild(need.next_power_of_two().max(MIN_SLOTS));
         }
-        let each = more / SEGMENTS + more / SEGMENTS / 8 + 1;
-        for segment in self.segments_mut() {
-            segment.reserve(each);
-        }
-    }
-
-    fn segments_mut(&mut self) -> &mut [Segment] {
-        if self.segments.is_empty() {
-            self.segments = vec![Segment::default(); SEGMENTS];
-        }
-        &mut self.segments
     }
 
     /// Records `id` as seen until `expires`, unless it is held and still live at `wm`
@@ -106,46 +69,6 @@ impl DedupSet {
                 }
             };
         }
-        self.segments_mut()[segment_of(id)].observe(id, expires, group, wm)
-    }
-
-    /// Holds `id` until `expires`, replacing what was held for it.
-    pub fn insert(&mut self, id: u128, expires: i64, group: u16) {
-        self.observe(id, expires, group, i64::MAX);
-    }
-
-    /// Every identity held: (digest, expiry, key group), in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (u128, i64, u16)> + '_ {
-        self.zero.map(|(e, g)| (0, e, g)).into_iter().chain(
-            self.segments
-                .iter()
-                .flat_map(|s| s.slots.iter())
-                .filter(|s| s.id != 0)
-                .map(|s| (s.id, s.expires, s.group)),
-        )
-    }
-
-    /// Keeps the identities for which `keep(expires, group)` holds, in place.
-    pub fn retain(&mut self, keep: impl Fn(i64, u16) -> bool) {
-        if self.zero.is_some_and(|(e, g)| !keep(e, g)) {
-            self.zero = None;
-        }
-        for segment in &mut self.segments {
-            segment.retain(&keep);
-        }
-    }
-}
-
-impl Segment {
-    fn reserve(&mut self, more: usize) {
-        let need = self.len.saturating_add(more).saturating_mul(2);
-        if need > self.slots.len() {
-            self.rebuild(need.next_power_of_two().max(MIN_SLOTS));
-        }
-    }
-
-    #[inline]
-    fn observe(&mut self, id: u128, expires: i64, group: u16, wm: i64) -> bool {
         if (self.len + 1) * 2 > self.slots.len() {
             self.rebuild((self.slots.len() * 2).max(MIN_SLOTS));
         }
@@ -170,7 +93,26 @@ impl Segment {
         }
     }
 
-    fn retain(&mut self, keep: &impl Fn(i64, u16) -> bool) {
+    /// Holds `id` until `expires`, replacing what was held for it.
+    pub fn insert(&mut self, id: u128, expires: i64, group: u16) {
+        self.observe(id, expires, group, i64::MAX);
+    }
+
+    /// Every identity held: (digest, expiry, key group), in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u128, i64, u16)> + '_ {
+        self.zero.map(|(e, g)| (0, e, g)).into_iter().chain(
+            self.slots
+                .iter()
+                .filter(|s| s.id != 0)
+                .map(|s| (s.id, s.expires, s.group)),
+        )
+    }
+
+    /// Keeps the identities for which `keep(expires, group)` holds, in place.
+    pub fn retain(&mut self, keep: impl Fn(i64, u16) -> bool) {
+        if self.zero.is_some_and(|(e, g)| !keep(e, g)) {
+            self.zero = None;
+        }
         if self.len == 0 {
             return;
         }
@@ -225,8 +167,8 @@ mod tests {
 
     use super::*;
 
-    /// Distinct digests crowded into one segment and eight home slots, so probe sequences
-    /// run long and cross.
+    /// Distinct digests crowded into eight home slots, so probe sequences run long and
+    /// cross.
     fn crowd(i: u64) -> u128 {
         (u128::from(i) << 100) | u128::from(i % 8)
     }
@@ -301,10 +243,6 @@ mod tests {
         }
         set.reserve(100_000);
         assert!(set.heap_bytes() >= 200_000 * 32);
-        assert_eq!(
-            set.segments[0].len, 3_334,
-            "crowded digests share one segment"
-        );
         for i in survivors() {
             assert!(set.observe(crowd(i), 0, 0, -1), "identity {i} after growth");
         }
