@@ -108,6 +108,12 @@ impl DedupSet {
         )
     }
 
+    /// Whether a sweep can be worth its cost: more than a quarter of the slots are held
+    /// (the set grows at half).
+    pub fn worth_sweeping(&self) -> bool {
+        self.len * 4 > self.slots.len()
+    }
+
     /// Keeps the identities for which `keep(expires, group)` holds, in place.
     pub fn retain(&mut self, keep: impl Fn(i64, u16) -> bool) {
         if self.zero.is_some_and(|(e, g)| !keep(e, g)) {

@@ -993,8 +993,13 @@ impl WindowEngine {
         } else {
             self.early_queue.clear();
         }
-        // 5. Dedup identities past their horizon.
-        if wm > self.dedup_swept_at.saturating_add(self.horizon_us / 8 + 1) {
+        // 5. Dedup identities past their horizon, once the set is a quarter full: a
+        // sweep reads every slot, and before then it cannot save the set a growth (a
+        // backfill sizes its set for the whole sub-range). Identities past their horizon
+        // count as absent whether swept or not.
+        if wm > self.dedup_swept_at.saturating_add(self.horizon_us / 8 + 1)
+            && self.dedup.worth_sweeping()
+        {
             self.dedup.retain(|expires, _| expires > wm);
             self.dedup_swept_at = wm;
         }
