@@ -21,7 +21,7 @@ struct Slot {
 /// The identities seen within the dedup horizon. See the module docs.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct DedupSet {
-    /// A power of two long (or empty), at most half full.
+    /// Empty, or at most half full.
     slots: Vec<Slot>,
     /// Occupied slots.
     len: usize,
@@ -31,9 +31,18 @@ pub(crate) struct DedupSet {
 
 const MIN_SLOTS: usize = 1024;
 
+/// The first slot to probe for `id` among `n`: the digest's bits scaled to `n` (a
+/// multiply and a shift, so `n` need not be a power of two and a reserve is exact).
 #[inline]
-fn home(id: u128, mask: usize) -> usize {
-    ((id as u64) ^ ((id >> 64) as u64)) as usize & mask
+fn home(id: u128, n: usize) -> usize {
+    let mix = (id as u64) ^ ((id >> 64) as u64);
+    ((u128::from(mix) * n as u128) >> 64) as usize
+}
+
+/// The slot after `i` among `n`, wrapping.
+#[inline]
+fn next(i: usize, n: usize) -> usize {
+    if i + 1 == n { 0 } else { i + 1 }
 }
 
 impl DedupSet {
@@ -51,7 +60,7 @@ impl DedupSet {
     pub fn reserve(&mut self, more: usize) {
         let need = self.len.saturating_add(more).saturating_mul(2);
         if need > self.slots.len() {
-            self.rebuild(need.next_power_of_two().max(MIN_SLOTS));
+            self.rebuild(need.max(MIN_SLOTS));
         }
     }
 
@@ -72,8 +81,8 @@ impl DedupSet {
         if (self.len + 1) * 2 > self.slots.len() {
             self.rebuild((self.slots.len() * 2).max(MIN_SLOTS));
         }
-        let mask = self.slots.len() - 1;
-        let mut i = home(id, mask);
+        let n = self.slots.len();
+        let mut i = home(id, n);
         loop {
             let slot = &mut self.slots[i];
             if slot.id == id {
@@ -89,7 +98,7 @@ impl DedupSet {
                 self.len += 1;
                 return false;
             }
-            i = (i + 1) & mask;
+            i = next(i, n);
         }
     }
 
@@ -124,7 +133,7 @@ impl DedupSet {
         }
         // A slot empty before any removal: no probe sequence crosses it, so walking the
         // slots once from there meets every sequence from its start.
-        let mask = self.slots.len() - 1;
+        let n = self.slots.len();
         let Some(start) = self.slots.iter().position(|s| s.id == 0) else {
             return;
         };
@@ -137,28 +146,27 @@ impl DedupSet {
         // Removals cut probe sequences: take each survivor out and put it back at the
         // first free slot from its home, which is at or before where it was.
         for step in 1..=self.slots.len() {
-            let at = (start + step) & mask;
+            let at = (start + step) % n;
             let slot = self.slots[at];
             if slot.id == 0 {
                 continue;
             }
             self.slots[at] = Slot::default();
-            let mut i = home(slot.id, mask);
+            let mut i = home(slot.id, n);
             while self.slots[i].id != 0 {
-                i = (i + 1) & mask;
+                i = next(i, n);
             }
             self.slots[i] = slot;
         }
     }
 
-    /// Moves every identity into `slots` slots (a power of two, at least twice `len`).
+    /// Moves every identity into `slots` slots (at least twice `len`).
     fn rebuild(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); slots]);
-        let mask = slots - 1;
         for slot in old.into_iter().filter(|s| s.id != 0) {
-            let mut i = home(slot.id, mask);
+            let mut i = home(slot.id, slots);
             while self.slots[i].id != 0 {
-                i = (i + 1) & mask;
+                i = next(i, slots);
             }
             self.slots[i] = slot;
         }
@@ -173,10 +181,11 @@ mod tests {
 
     use super::*;
 
-    /// Distinct digests crowded into eight home slots, so probe sequences run long and
-    /// cross.
+    /// Distinct digests crowded into two home slots, the first and the last (the bits
+    /// that choose it are all zero or all one), so probe sequences run long, cross, and
+    /// wrap around the end.
     fn crowd(i: u64) -> u128 {
-        (u128::from(i) << 100) | u128::from(i % 8)
+        u128::from(if i.is_multiple_of(2) { i } else { u64::MAX - i })
     }
 
     #[test]
