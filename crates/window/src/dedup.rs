@@ -45,6 +45,16 @@ fn next(i: usize, n: usize) -> usize {
     if i + 1 == n { 0 } else { i + 1 }
 }
 
+/// Puts `slot`, whose identity `slots` does not hold, in the first free slot from its home.
+fn place(slots: &mut [Slot], slot: Slot) {
+    let n = slots.len();
+    let mut i = home(slot.id, n);
+    while slots[i].id != 0 {
+        i = next(i, n);
+    }
+    slots[i] = slot;
+}
+
 impl DedupSet {
     /// Identities held.
     pub fn len(&self) -> usize {
@@ -152,11 +162,7 @@ impl DedupSet {
                 continue;
             }
             self.slots[at] = Slot::default();
-            let mut i = home(slot.id, n);
-            while self.slots[i].id != 0 {
-                i = next(i, n);
-            }
-            self.slots[i] = slot;
+            place(&mut self.slots, slot);
         }
     }
 
@@ -164,11 +170,7 @@ impl DedupSet {
     fn rebuild(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); slots]);
         for slot in old.into_iter().filter(|s| s.id != 0) {
-            let mut i = home(slot.id, slots);
-            while self.slots[i].id != 0 {
-                i = next(i, slots);
-            }
-            self.slots[i] = slot;
+            place(&mut self.slots, slot);
         }
     }
 }
