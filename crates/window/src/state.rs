@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
+    EngineConfig, NewestPane, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
     pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
@@ -204,7 +204,10 @@ impl WindowEngine {
                     .iter()
                     .enumerate()
                     .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
-                    .flat_map(|(k, list)| list.iter().map(move |p| (k, p.start, p.slab, p.dirty)))
+                    .flat_map(|(k, list)| {
+                        list.iter()
+                            .map(move |p| (k, p.start, p.slab, self.pane_dirty[p.slab as usize]))
+                    })
                     .collect();
                 let mut slab = Vec::with_capacity(panes.len() * stride * 8);
                 for (_, _, at, _) in &panes {
@@ -407,10 +410,12 @@ impl WindowEngine {
         if pane_job {
             self.key_panes.resize_with(self.key_names.len(), Vec::new);
             self.key_windows.resize_with(self.key_names.len(), Vec::new);
+            self.newest.resize(self.key_names.len(), NewestPane::NONE);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = (self.slab.len() / stride) as u32;
         self.slab.extend_from_slice(&slab);
+        self.pane_dirty.extend(pane_dirty.iter().map(|d| *d != 0));
         let lateness = self.lateness_us;
         let (pane_us, panes_per_window) = (self.pane_us, self.panes_per_window);
         // Rows of one key are adjacent: each key's list is allocated once, at its size.
@@ -495,7 +500,6 @@ impl WindowEngine {
                     .map(|i| Pane {
                         start: pane_starts[i],
                         slab: first_slab + i as u32,
-                        dirty: pane_dirty[i] != 0,
                     })
                     .collect();
             }
@@ -506,6 +510,11 @@ impl WindowEngine {
                 .join()
                 .unwrap_or_else(|e| std::panic::resume_unwind(e));
         });
+        if pane_job {
+            for key in &ids {
+                self.newest[*key as usize] = NewestPane::of(&self.key_panes[*key as usize]);
+            }
+        }
         for (k, start, session) in state.sessions {
             if let Some(key) = id(k) {
                 self.sessions.entry(key).or_default().insert(start, session);
@@ -547,9 +556,11 @@ impl WindowEngine {
         let windows: usize = self.key_windows.iter().map(Vec::len).sum();
         // Two lists per key; a pane or window entry is 16 bytes.
         let list_bytes = self.key_panes.len() * 2 * std::mem::size_of::<Vec<Pane>>();
+        // Per key, its newest pane again; per pane, its changed flag.
         let pane_bytes = list_bytes
-            + panes * (std::mem::size_of::<Pane>() + stride_bytes)
-            + self.free.len() * stride_bytes;
+            + self.newest.len() * std::mem::size_of::<NewestPane>()
+            + panes * (std::mem::size_of::<Pane>() + stride_bytes + 1)
+            + self.free.len() * (stride_bytes + 1);
         let window_bytes = windows * std::mem::size_of::<Window>();
         let timers: usize = self.timers.values().map(Vec::len).sum();
         let timer_bytes = timers * std::mem::size_of::<Timer>() + self.timers.len() * 48;
@@ -636,7 +647,11 @@ mod tests {
                     list.iter()
                         .map(|p| {
                             let base = p.slab as usize * stride;
-                            (p.start, p.dirty, e.slab[base..base + stride].to_vec())
+                            (
+                                p.start,
+                                e.pane_dirty[p.slab as usize],
+                                e.slab[base..base + stride].to_vec(),
+                            )
                         })
                         .collect()
                 })

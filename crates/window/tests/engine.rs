@@ -5,7 +5,9 @@
 mod common;
 
 use common::*;
-use signalweave_window::{AggValue, Completeness, JobSpec, LateReason};
+use std::sync::Arc;
+
+use signalweave_window::{AggValue, Completeness, EngineConfig, JobSpec, LateReason, WindowEngine};
 
 const M: i64 = 60 * S;
 
@@ -370,4 +372,57 @@ fn sub_microsecond_durations_are_refused() {
         let err = JobSpec::from_toml(&base.replace(from, to)).unwrap_err();
         assert!(err.message().contains(field), "{field}: {}", err.message());
     }
+}
+
+/// A backfill judges each record by the watermark it carries. A record whose key's newest
+/// pane is its own, still held by the engine, is late all the same once its own watermark
+/// has passed that window's end plus the allowed lateness; one just before is counted.
+#[test]
+fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10s", None);
+    let config = EngineConfig {
+        watermark_column: Some("wm".into()),
+        ..EngineConfig::default()
+    };
+    let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
+    let with_watermarks = |recs: &[Rec], wms: &[Option<i64>]| {
+        let b = batch(recs);
+        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
+        fields.push(Field::new("wm", DataType::Int64, true));
+        let mut columns = b.columns().to_vec();
+        columns.push(Arc::new(Int64Array::from(wms.to_vec())));
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+    };
+    // The window [0, 60 s) of key m is created and stays held (the engine's watermark
+    // does not move: no fire).
+    let first = with_watermarks(&[rec("m", S, "a", 1)], &[None]);
+    assert_eq!(e.process_batch(&first, "src", 0).unwrap().counted, 1);
+    // Same pane: one record judged at 69.999999 s (counted), one at 70 s (late), one
+    // without a watermark of its own (counted).
+    let recs = [
+        rec("m", 2 * S, "b", 10),
+        rec("m", 3 * S, "c", 100),
+        rec("m", 4 * S, "d", 1000),
+    ];
+    let second = with_watermarks(&recs, &[Some(70 * S - 1), Some(70 * S), None]);
+    let outcome = e.process_batch(&second, "src", 0).unwrap();
+    assert_eq!(outcome.counted, 2);
+    assert_eq!(
+        outcome
+            .late
+            .iter()
+            .map(|l| (l.row, l.watermark))
+            .collect::<Vec<_>>(),
+        vec![(1, 70 * S)]
+    );
+    let rows = e.finish(1);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].events, 3);
+    assert_eq!(
+        rows[0].values,
+        vec![AggValue::Int(3), AggValue::Int(1011), AggValue::Int(1000)]
+    );
 }
