@@ -241,6 +241,8 @@ struct Routed {
 }
 
 const NO_SLAB: u32 = u32::MAX;
+/// A record's key before it is interned.
+const NO_KEY: u32 = u32::MAX;
 
 /// How one aggregate takes a record.
 struct AggPlan<'a> {
@@ -696,9 +698,9 @@ impl WindowEngine {
                 });
                 continue;
             }
-            let key_id = if cols.keys.len() == 1 {
-                let k = cols.keys[0].value(row);
-                self.intern(k)
+            // A key of one column is interned in a loop of its own, below.
+            let key_id = if let [_] = cols.keys[..] {
+                NO_KEY
             } else {
                 let mut buf = std::mem::take(&mut self.key_buf);
                 join_key(&cols.keys, row, &mut buf);
@@ -706,16 +708,6 @@ impl WindowEngine {
                 self.key_buf = buf;
                 id
             };
-            // A record older than the dedup horizon is late whatever its window: the
-            // horizon is what makes dedup exact (a session can outlive it).
-            if t.saturating_add(self.horizon_us) <= wm {
-                outcome.late.push(LateRecord {
-                    row: row as u32,
-                    reason: LateReason::BeyondAllowedLateness,
-                    watermark: wm,
-                });
-                continue;
-            }
             let identity = cols
                 .identity
                 .iter()
@@ -730,9 +722,28 @@ impl WindowEngine {
                 slab: NO_SLAB,
             });
         }
+        // Keys of one column, in record order (ids are given in order of first sight), in a
+        // short loop, so the CPU keeps several lookups' cache misses in flight. Then a
+        // record older than the dedup horizon is late whatever its window: the horizon is
+        // what makes dedup exact (a session can outlive it).
+        let horizon = self.horizon_us;
+        routed.retain_mut(|r| {
+            if let [k] = cols.keys[..] {
+                r.key = self.intern(k.value(r.row as usize));
+            }
+            let t = cols.time.value(r.row as usize);
+            if t.saturating_add(horizon) <= r.wm {
+                outcome.late.push(LateRecord {
+                    row: r.row,
+                    reason: LateReason::BeyondAllowedLateness,
+                    watermark: r.wm,
+                });
+                return false;
+            }
+            true
+        });
         // Dedup, in record order. An identity held past its horizon (not yet swept)
         // counts as absent, so classification never depends on when the sweep ran.
-        let horizon = self.horizon_us;
         let candidates = routed.len();
         routed.retain(|r| {
             let Some(id) = r.identity else {
@@ -746,7 +757,6 @@ impl WindowEngine {
         });
 
         outcome.duplicates += (candidates - routed.len()) as u64;
-        let first_late = outcome.late.len();
         // How each aggregate takes a record: its slot, the event type it counts (if
         // one), and its input column.
         let plan: Vec<AggPlan<'_>> = layout
@@ -797,7 +807,7 @@ impl WindowEngine {
             }
         }
         // Late records in row order, as one pass would have found them.
-        if first_late > 0 && outcome.late.len() > first_late {
+        if !outcome.late.is_sorted_by_key(|l| l.row) {
             outcome.late.sort_by_key(|l| l.row);
         }
         match cols.input {
