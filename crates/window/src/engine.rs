@@ -171,26 +171,17 @@ pub(crate) struct Pane {
     pub slab: u32,
 }
 
-/// The newest pane of a key (its slab slot is [`NO_SLAB`] when it has none): the one
-/// nearly every record of an active key goes to, kept apart from the key's list so the
-/// record finds it with one read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct NewestPane {
-    pub start: i64,
-    pub slab: u32,
-}
-
-impl NewestPane {
+impl Pane {
+    /// No pane (its slab slot is [`NO_SLAB`]).
     pub const NONE: Self = Self {
         start: 0,
         slab: NO_SLAB,
     };
 
-    pub fn of(panes: &[Pane]) -> Self {
-        panes.last().map_or(Self::NONE, |p| Self {
-            start: p.start,
-            slab: p.slab,
-        })
+    /// The newest of a key's `panes`: the one nearly every record of an active key goes
+    /// to, mirrored apart from the key's list so a record finds it with one read.
+    pub fn newest(panes: &[Pane]) -> Self {
+        panes.last().copied().unwrap_or(Self::NONE)
     }
 }
 
@@ -363,8 +354,8 @@ pub struct WindowEngine {
     /// index and its panes side by side; empty for session jobs).
     pub(crate) key_panes: Vec<Vec<Pane>>,
     pub(crate) key_windows: Vec<Vec<Window>>,
-    /// Per key id, the last entry of its `key_panes` list.
-    pub(crate) newest: Vec<NewestPane>,
+    /// Per key id, the last entry of its `key_panes` list ([`Pane::NONE`] when empty).
+    pub(crate) newest: Vec<Pane>,
     pub(crate) slab: Vec<i64>,
     /// Per slab slot, whether its pane changed since the last fire.
     pub(crate) pane_dirty: Vec<bool>,
@@ -538,7 +529,7 @@ impl WindowEngine {
         if !self.is_session() {
             self.key_panes.push(Vec::new());
             self.key_windows.push(Vec::new());
-            self.newest.push(NewestPane::NONE);
+            self.newest.push(Pane::NONE);
         }
         id
     }
@@ -890,7 +881,7 @@ impl WindowEngine {
                     }
                 };
                 panes.insert(i, Pane { start: pane, slab });
-                self.newest[key as usize] = NewestPane::of(panes);
+                self.newest[key as usize] = Pane::newest(panes);
                 self.pane_dirty[slab as usize] = true;
                 self.dirty_panes.push((key, pane));
                 let windows = &mut self.key_windows[key as usize];
@@ -1196,7 +1187,7 @@ impl WindowEngine {
                     let slab = panes.remove(i).slab;
                     self.pane_dirty[slab as usize] = false;
                     self.free.push(slab);
-                    self.newest[key as usize] = NewestPane::of(panes);
+                    self.newest[key as usize] = Pane::newest(panes);
                 }
             }
         }

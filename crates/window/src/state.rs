@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, NewestPane, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
+    EngineConfig, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
     pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
@@ -410,7 +410,7 @@ impl WindowEngine {
         if pane_job {
             self.key_panes.resize_with(self.key_names.len(), Vec::new);
             self.key_windows.resize_with(self.key_names.len(), Vec::new);
-            self.newest.resize(self.key_names.len(), NewestPane::NONE);
+            self.newest.resize(self.key_names.len(), Pane::NONE);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = (self.slab.len() / stride) as u32;
@@ -512,7 +512,7 @@ impl WindowEngine {
         });
         if pane_job {
             for key in &ids {
-                self.newest[*key as usize] = NewestPane::of(&self.key_panes[*key as usize]);
+                self.newest[*key as usize] = Pane::newest(&self.key_panes[*key as usize]);
             }
         }
         for (k, start, session) in state.sessions {
@@ -558,7 +558,7 @@ impl WindowEngine {
         let list_bytes = self.key_panes.len() * 2 * std::mem::size_of::<Vec<Pane>>();
         // Per key, its newest pane again; per pane, its changed flag.
         let pane_bytes = list_bytes
-            + self.newest.len() * std::mem::size_of::<NewestPane>()
+            + self.newest.len() * std::mem::size_of::<Pane>()
             + panes * (std::mem::size_of::<Pane>() + stride_bytes + 1)
             + self.free.len() * (stride_bytes + 1);
         let window_bytes = windows * std::mem::size_of::<Window>();
