@@ -313,8 +313,12 @@ async fn maintenance_merges_manifests_expires_unheld_snapshots_and_keeps_every_r
         assert_eq!(r.snapshots_expired, 9, "{}: {r:?}", b.name);
         assert_eq!(r.snapshots_held, 17);
         // The loops warn when holds keep this much history, naming the holder.
+        let warn_at = |n| MaintenancePolicy {
+            warn_held_snapshots: n,
+            ..policy.clone()
+        };
         let warning = lake
-            .held_history_warning(LakeTable::Events, &r, 17)
+            .held_history_warning(LakeTable::Events, &r, &warn_at(17))
             .await
             .unwrap()
             .expect("17 snapshots kept only by the hold");
@@ -323,7 +327,7 @@ async fn maintenance_merges_manifests_expires_unheld_snapshots_and_keeps_every_r
             "{warning}"
         );
         assert_eq!(
-            lake.held_history_warning(LakeTable::Events, &r, 18)
+            lake.held_history_warning(LakeTable::Events, &r, &warn_at(18))
                 .await
                 .unwrap(),
             None

@@ -437,8 +437,7 @@ async fn maintenance_loop(
                         .lake_held_snapshots
                         .get_or_create(&vec![("table".to_string(), t.name().to_string())])
                         .set(r.snapshots_held as i64);
-                    let threshold = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
-                    if let Ok(Some(warning)) = lake.held_history_warning(*t, &r, threshold).await {
+                    if let Ok(Some(warning)) = lake.held_history_warning(*t, &r, &policy).await {
                         tracing::warn!("{warning}");
                     }
                 }

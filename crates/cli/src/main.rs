@@ -508,7 +508,6 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 orphan_safety_age: *orphans_older_than,
                 ..Default::default()
             };
-            let held_warning = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
             if let Some(every) = every {
                 let stop = ingest::shutdown_signal();
                 tokio::pin!(stop);
@@ -531,7 +530,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                                         + r.deleted.orphans
                                 );
                                 if let Ok(Some(w)) =
-                                    lake.held_history_warning(*t, &r, held_warning).await
+                                    lake.held_history_warning(*t, &r, &policy).await
                                 {
                                     eprintln!("warning: {w}");
                                 }
@@ -549,7 +548,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let mut rows = Vec::new();
             for t in tables {
                 let r = lake.maintain(t, &policy).await?;
-                if let Some(w) = lake.held_history_warning(t, &r, held_warning).await? {
+                if let Some(w) = lake.held_history_warning(t, &r, &policy).await? {
                     eprintln!("warning: {w}");
                 }
                 rows.push(vec![

@@ -650,9 +650,8 @@ impl Committer {
                 match lake.maintain(table, &policy).await {
                     Ok(r) => {
                         tracing::debug!(table = table.name(), report = ?r, "maintenance pass");
-                        let threshold = signalweave_lake::MaintenancePolicy::HELD_SNAPSHOTS_WARNING;
                         if let Ok(Some(warning)) =
-                            lake.held_history_warning(table, &r, threshold).await
+                            lake.held_history_warning(table, &r, &policy).await
                         {
                             tracing::warn!("{warning}");
                         }

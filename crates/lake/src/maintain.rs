@@ -73,6 +73,8 @@ pub struct MaintenancePolicy {
     pub retention: Option<Retention>,
     /// Expire held positions too (erasure only: the old files must go).
     pub override_holds: bool,
+    /// Snapshots kept only by holds from which [`Lake::held_history_warning`] warns.
+    pub warn_held_snapshots: usize,
 }
 
 /// Which snapshots expiry keeps: the newest `keep_last`, and every one younger than
@@ -90,9 +92,9 @@ impl MaintenancePolicy {
     pub const DEFAULT_MIN_MANIFESTS_TO_MERGE: usize = 100;
     /// Default merged manifest size: 8 MiB.
     pub const DEFAULT_MANIFEST_TARGET_BYTES: u64 = 8 * 1024 * 1024;
-    /// Snapshots kept only by holds beyond which the maintenance loops warn: an hour of
-    /// commits at one per second.
-    pub const HELD_SNAPSHOTS_WARNING: usize = 3_600;
+    /// Default warning threshold of snapshots kept only by holds: an hour of commits at
+    /// one per second.
+    pub const DEFAULT_WARN_HELD_SNAPSHOTS: usize = 3_600;
     /// Default orphan safety age: 1 hour.
     pub const DEFAULT_ORPHAN_SAFETY_AGE: Duration = Duration::from_secs(3600);
 }
@@ -107,6 +109,7 @@ impl Default for MaintenancePolicy {
             metadata_orphan_age: Some(Self::DEFAULT_ORPHAN_SAFETY_AGE),
             retention: None,
             override_holds: false,
+            warn_held_snapshots: Self::DEFAULT_WARN_HELD_SNAPSHOTS,
         }
     }
 }
@@ -645,8 +648,8 @@ impl Lake {
         Ok(())
     }
 
-    /// After a pass over `table` that kept at least `threshold` snapshots only because of
-    /// holds, a warning naming the holders (with how long ago each moved) and how to
+    /// After a pass over `table` under `policy` that kept at least
+    /// `policy.warn_held_snapshots` snapshots only because of holds, a warning naming the holders (with how long ago each moved) and how to
     /// release a retired one; `None` otherwise. The maintenance loops log it: a hold
     /// never expires by itself, and one a retired job, backfill or notifier left keeps
     /// every later snapshot, so the metadata grows again.
@@ -654,9 +657,9 @@ impl Lake {
         &self,
         table: LakeTable,
         report: &MaintenanceReport,
-        threshold: usize,
+        policy: &MaintenancePolicy,
     ) -> Result<Option<String>> {
-        if report.snapshots_held < threshold {
+        if report.snapshots_held < policy.warn_held_snapshots {
             return Ok(None);
         }
         let now = chrono::Utc::now().timestamp_millis();
