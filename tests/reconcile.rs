@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use signalweave_lake::{CommitIdentity, Lake, LakeConfig};
-use signalweave_window::{AggValue, Completeness, JobSpec, OutputRow, outputs_to_batch};
+use signalweave_window::{AggValue, Completeness, Emissions, JobSpec, OutputRow};
 use support::cli::{Proc, count, ok, sql, sw, wait_until};
 
 const FROM: &str = "2026-01-01T00:00:00Z";
@@ -170,7 +170,9 @@ fn tamper(lake: &Path) -> (String, String) {
     rt.block_on(async {
         let lake = Lake::open(LakeConfig::embedded(lake)).await.unwrap();
         let table = signalweave_runner::output_table(&spec, "live").unwrap();
-        let batch = outputs_to_batch(&spec, "live", std::slice::from_ref(&out), &[None]).unwrap();
+        let batch = Emissions::from_iter([out.clone()])
+            .to_batch(&spec, "live", &[None])
+            .unwrap();
         let batch =
             arrow::array::RecordBatch::try_new(table.arrow_schema(), batch.columns().to_vec())
                 .unwrap();

@@ -55,7 +55,7 @@ use serde::{Deserialize, Serialize};
 use signalweave_lake::{CommitIdentity, Lake, LakeTable};
 use signalweave_model::ErrorKind;
 use signalweave_window::{
-    Completeness, EngineConfig, JobSpec, OutputRow, WindowEngine, WindowSpec, outputs_to_batch,
+    Completeness, Emissions, EngineConfig, JobSpec, WindowEngine, WindowSpec,
 };
 use sqlx::Row;
 
@@ -886,7 +886,7 @@ const ABORT: u8 = 2;
 const LOST: u8 = 3;
 
 struct SubRangeOutput {
-    rows: Vec<OutputRow>,
+    rows: Emissions,
     late: Vec<LateEvent>,
     figures: SubRange,
 }
@@ -1395,26 +1395,32 @@ impl Running {
         // The input's watermark: a window it has not passed may still gain records (in the
         // live job, later); it is as partial as one crossing the range's end.
         let input_watermark = self.arrivals.at(i64::MAX, i64::MAX);
-        let rows: Vec<OutputRow> = engine
-            .finish(BACKFILL_PROC_TIME)
-            .into_iter()
-            .filter(|r| {
-                let owned = r.window_end > sub.from_us && r.window_end <= sub.to_us;
-                let crossing_end = last && r.window_start < sub.to_us && r.window_end > sub.to_us;
+        let mut rows = engine.finish(BACKFILL_PROC_TIME);
+        let keep: Vec<bool> = rows
+            .window_start()
+            .iter()
+            .zip(rows.window_end())
+            .map(|(&start, &end)| {
+                let owned = end > sub.from_us && end <= sub.to_us;
+                let crossing_end = last && start < sub.to_us && end > sub.to_us;
                 owned || crossing_end
             })
-            .map(|mut r| {
-                r.completeness =
-                    if r.window_end > self.record.to_us || r.window_end > input_watermark {
-                        Completeness::Partial
-                    } else {
-                        Completeness::OnTime
-                    };
-                r.watermark = sub.to_us.min(input_watermark);
-                r.emitted_at = generated_at;
-                r
+            .collect();
+        rows.retain(&keep);
+        let completeness: Vec<Completeness> = rows
+            .window_end()
+            .iter()
+            .map(|&end| {
+                if end > self.record.to_us || end > input_watermark {
+                    Completeness::Partial
+                } else {
+                    Completeness::OnTime
+                }
             })
             .collect();
+        rows.completeness_mut().copy_from_slice(&completeness);
+        rows.watermark_mut().fill(sub.to_us.min(input_watermark));
+        rows.emitted_at_mut().fill(generated_at);
         figures.rows_written = rows.len() as u64;
         figures.late = late_events.len() as u64;
         Ok(Some(SubRangeOutput {
@@ -1442,10 +1448,9 @@ impl Running {
         .collect();
         let mut snapshot = None;
         if !out.rows.is_empty() {
-            let batch = outputs_to_batch(
+            let batch = out.rows.to_batch(
                 &self.spec,
                 &self.record.namespace,
-                &out.rows,
                 &vec![self.record.snapshot_id; out.rows.len()],
             )?;
             let batch = RecordBatch::try_new(output.arrow_schema(), batch.columns().to_vec())

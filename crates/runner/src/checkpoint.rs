@@ -19,7 +19,7 @@
 use serde::{Deserialize, Serialize};
 use signalweave_lake::Lake;
 use signalweave_model::ErrorKind;
-use signalweave_window::OutputRow;
+use signalweave_window::Emissions;
 
 use crate::error::{Result, RunnerError};
 use crate::late::LateEvent;
@@ -46,7 +46,7 @@ pub struct Checkpoint {
     /// Output rows emitted in this epoch, committed by the sink. Not stored in the blob
     /// (empty after [`Checkpoint::from_bytes`]): a checkpoint is current only once they
     /// are committed.
-    pub outputs: Vec<OutputRow>,
+    pub outputs: Emissions,
     /// The source snapshot each of `outputs` reflects (the position after the step that
     /// emitted it). Not stored either.
     pub output_snapshots: Vec<Option<i64>>,
@@ -133,7 +133,7 @@ impl Checkpoint {
             epoch: meta.epoch,
             position: meta.position,
             engine_state: bytes[meta_end..].to_vec(),
-            outputs: Vec::new(),
+            outputs: Emissions::default(),
             output_snapshots: Vec::new(),
             late: meta.late,
             created_ms: meta.created_ms,
@@ -456,7 +456,7 @@ mod tests {
             epoch: 7,
             position: Some(42),
             engine_state: vec![1, 2, 3],
-            outputs: Vec::new(),
+            outputs: Emissions::default(),
             output_snapshots: Vec::new(),
             late: Vec::new(),
             created_ms: 5,

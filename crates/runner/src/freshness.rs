@@ -10,7 +10,7 @@ use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, TimestampMicrosecondType};
 use hdrhistogram::Histogram;
 use rustc_hash::FxHashMap;
-use signalweave_window::OutputRow;
+use signalweave_window::Emissions;
 
 /// The stages, in order, as exported in the `stage` label.
 pub const STAGES: [&str; 6] = [
@@ -125,17 +125,17 @@ impl Freshness {
     }
 
     /// `rows` were emitted at `now` (µs): followed events they cover are emitted.
-    pub fn emitted(&mut self, rows: &[OutputRow], now: i64) {
+    pub fn emitted(&mut self, rows: &Emissions, now: i64) {
         if self.pending.is_empty() {
             return;
         }
         if !rows.is_empty() {
             let mut windows: FxHashMap<&str, Vec<(i64, i64)>> = FxHashMap::default();
-            for r in rows.iter().filter(|r| !r.retracted) {
+            for i in (0..rows.len()).filter(|i| !rows.retracted()[*i]) {
                 windows
-                    .entry(&*r.key)
+                    .entry(rows.key(i))
                     .or_default()
-                    .push((r.window_start, r.window_end));
+                    .push((rows.window_start()[i], rows.window_end()[i]));
             }
             let mut still = Vec::with_capacity(self.pending.len());
             for mut s in std::mem::take(&mut self.pending) {

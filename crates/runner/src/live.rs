@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use futures::TryStreamExt;
 use signalweave_lake::{CommitIdentity, Lake, LakeTable};
 use signalweave_model::ErrorKind;
-use signalweave_window::{EngineConfig, JobSpec, OutputRow, WindowEngine, outputs_to_batch};
+use signalweave_window::{Emissions, EngineConfig, JobSpec, WindowEngine};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::error::{Result, RunnerError};
@@ -191,7 +191,7 @@ pub struct LiveJob {
     epoch: u64,
     /// The position of the last checkpoint.
     checkpointed_position: Option<i64>,
-    pending_outputs: Vec<OutputRow>,
+    pending_outputs: Emissions,
     /// The source snapshot each pending output reflects.
     pending_snapshots: Vec<Option<i64>>,
     pending_late: Vec<LateEvent>,
@@ -259,7 +259,7 @@ impl LiveJob {
             position: None,
             epoch: 0,
             checkpointed_position: None,
-            pending_outputs: Vec::new(),
+            pending_outputs: Emissions::default(),
             pending_snapshots: Vec::new(),
             pending_late: Vec::new(),
             last_checkpoint: Instant::now(),
@@ -484,7 +484,7 @@ impl LiveJob {
                     report.emitted += rows.len();
                     self.pending_snapshots
                         .extend(std::iter::repeat_n(Some(snapshot), rows.len()));
-                    self.pending_outputs.extend(rows);
+                    self.pending_outputs.append(rows);
                 }
             }
             for (outcome, n) in [
@@ -525,7 +525,7 @@ impl LiveJob {
         }
         self.pending_snapshots
             .extend(std::iter::repeat_n(self.position, rows.len()));
-        self.pending_outputs.extend(rows);
+        self.pending_outputs.append(rows);
         let due =
             force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
         // An idle job has nothing to commit: the last checkpoint still describes it (a
@@ -683,10 +683,9 @@ impl LiveJob {
         .collect();
         let mut out_snapshot = None;
         if !checkpoint.outputs.is_empty() {
-            let batch = outputs_to_batch(
+            let batch = checkpoint.outputs.to_batch(
                 &self.spec,
                 &self.config.namespace,
-                &checkpoint.outputs,
                 &checkpoint.output_snapshots,
             )?;
             let batch = arrow::array::RecordBatch::try_new(

@@ -36,7 +36,7 @@ use signalweave_model::ErrorKind;
 use crate::dedup::DedupSet;
 use crate::error::{Result, WindowError};
 use crate::keys::KeyTable;
-use crate::output::{AggValue, BatchOutcome, Completeness, LateReason, LateRecord, OutputRow};
+use crate::output::{BatchOutcome, Completeness, Emissions, LateReason, LateRecord, Version};
 use crate::spec::{AggregateFunction, JobSpec, WindowSpec, micros};
 use crate::watermark::Watermarks;
 
@@ -88,6 +88,8 @@ enum SlotOp {
 const EVENTS: usize = 0;
 const FIRST: usize = 1;
 const LAST: usize = 2;
+/// The slots of an emission's `[first_event_time, last_event_time, events]`.
+const HEADER: [usize; 3] = [FIRST, LAST, EVENTS];
 
 impl Layout {
     fn new(spec: &JobSpec) -> Self {
@@ -134,21 +136,6 @@ impl Layout {
                 SlotOp::Max => (*d).max(*s),
             };
         }
-    }
-
-    fn values(&self, acc: &[i64]) -> Vec<AggValue> {
-        self.aggs
-            .iter()
-            .map(|(f, s)| {
-                let s = *s;
-                match f {
-                    AggregateFunction::Count => AggValue::Int(acc[s]),
-                    _ if acc[s + 1] == 0 => AggValue::Null,
-                    AggregateFunction::Avg => AggValue::Float(acc[s] as f64 / acc[s + 1] as f64),
-                    _ => AggValue::Int(acc[s]),
-                }
-            })
-            .collect()
     }
 }
 
@@ -347,7 +334,6 @@ pub struct WindowEngine {
     pub(crate) horizon_us: i64,
     pub(crate) early_us: Option<i64>,
     pub(crate) keys: KeyTable,
-    pub(crate) key_names: Vec<Arc<str>>,
     pub(crate) key_group: Vec<u16>,
     /// Tumbling and sliding windows: per key id, its panes and its windows, each sorted by
     /// start (dense by key id, so a record or an emission finds its key's state with one
@@ -366,9 +352,11 @@ pub struct WindowEngine {
     pub(crate) session_frontier: FxHashMap<u32, i64>,
     pub(crate) timers: BTreeMap<i64, Vec<Timer>>,
     pub(crate) dirty_panes: Vec<(u32, i64)>,
-    pub(crate) early_queue: Vec<(u32, i64)>,
+    /// Keys with an open window changed since the early trigger last fired (repeats
+    /// allowed): the trigger walks each key's windows for the changed ones.
+    pub(crate) early_keys: Vec<u32>,
     pub(crate) correction_queue: Vec<(u32, i64)>,
-    pub(crate) pending: Vec<OutputRow>,
+    pub(crate) pending: Emissions,
     pub(crate) dedup: DedupSet,
     pub(crate) dedup_swept_at: i64,
     pub(crate) watermarks: Watermarks,
@@ -432,7 +420,6 @@ impl WindowEngine {
             spec,
             config,
             keys: KeyTable::default(),
-            key_names: Vec::new(),
             key_group: Vec::new(),
             key_panes: Vec::new(),
             key_windows: Vec::new(),
@@ -444,9 +431,9 @@ impl WindowEngine {
             session_frontier: FxHashMap::default(),
             timers: BTreeMap::new(),
             dirty_panes: Vec::new(),
-            early_queue: Vec::new(),
+            early_keys: Vec::new(),
             correction_queue: Vec::new(),
-            pending: Vec::new(),
+            pending: Emissions::default(),
             dedup: DedupSet::default(),
             dedup_swept_at: i64::MIN,
             next_early_at: None,
@@ -524,7 +511,6 @@ impl WindowEngine {
         }
         let id = self.keys.push(key);
         let kg = self.key_group_of(key);
-        self.key_names.push(key.into());
         self.key_group.push(kg);
         if !self.is_session() {
             self.key_panes.push(Vec::new());
@@ -973,20 +959,24 @@ impl WindowEngine {
         let closed = meta.closed;
         sessions.insert(start, Session { end, acc, meta });
         for (s, old) in retractions {
-            self.pending.push(OutputRow {
-                key: Arc::clone(&self.key_names[key as usize]),
-                window_start: s,
-                window_end: old.end,
-                output_version: old.meta.version + 1,
-                completeness: Completeness::Corrected,
-                retracted: true,
-                watermark: wm,
-                emitted_at: 0,
-                first_event_time: old.acc[FIRST],
-                last_event_time: old.acc[LAST],
-                events: 0,
-                values: layout.values(&layout.empty()),
-            });
+            // A retraction counts nothing, but says which events it withdraws.
+            let mut withdrawn = layout.empty();
+            withdrawn[FIRST] = old.acc[FIRST];
+            withdrawn[LAST] = old.acc[LAST];
+            self.pending.push_acc(
+                Version {
+                    key: self.keys.name(key),
+                    window: (s, old.end),
+                    output_version: old.meta.version + 1,
+                    completeness: Completeness::Corrected,
+                    retracted: true,
+                    watermark: wm,
+                    emitted_at: 0,
+                },
+                &withdrawn,
+                HEADER,
+                &layout.aggs,
+            );
         }
         if closed {
             self.correction_queue.push((key, start));
@@ -1016,23 +1006,21 @@ impl WindowEngine {
     /// Advances processing time to `proc_time_us`: updates the watermark (idleness
     /// included), fires on-time windows, emits corrections, fires the early trigger when
     /// due, and retires closed state. Returns the emitted rows in emission order.
-    pub fn fire(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+    pub fn fire(&mut self, proc_time_us: i64) -> Emissions {
         self.watermarks.recompute(proc_time_us);
         self.fire_at(proc_time_us)
     }
 
     /// Ends the input: the watermark moves past every window, every window fires and retires.
-    pub fn finish(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+    pub fn finish(&mut self, proc_time_us: i64) -> Emissions {
         self.watermarks.set_end();
         self.fire_at(proc_time_us)
     }
 
-    fn fire_at(&mut self, proc_time_us: i64) -> Vec<OutputRow> {
+    fn fire_at(&mut self, proc_time_us: i64) -> Emissions {
         let wm = self.watermarks.current();
         let mut out = std::mem::take(&mut self.pending);
-        for row in &mut out {
-            row.emitted_at = proc_time_us;
-        }
+        out.emitted_at_mut().fill(proc_time_us);
         // 1. Changed panes mark their windows. Every changed pane is in the list, so all
         // are unchanged after it: one fill, instead of finding each pane again.
         let dirty = std::mem::take(&mut self.dirty_panes);
@@ -1043,18 +1031,24 @@ impl WindowEngine {
             let windows = &mut self.key_windows[key as usize];
             let first = pane.saturating_sub(self.panes_per_window - 1);
             let from = windows.partition_point(|w| w.start < first);
+            let mut open = false;
             for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
                 if !w.meta.dirty {
                     w.meta.dirty = true;
                     if w.meta.closed {
                         self.correction_queue.push((key, w.start));
                     } else {
-                        self.early_queue.push((key, w.start));
+                        open = true;
                     }
                 }
             }
+            if open {
+                self.early_keys.push(key);
+            }
         }
-        // 2. Timers up to the watermark, in time order.
+        // 2. Timers up to the watermark, in time order (room made for all first: at the end
+        // of input, every window fires).
+        out.reserve(self.timers.range(..=wm).map(|(_, t)| t.len()).sum());
         while let Some(entry) = self.timers.first_entry() {
             if *entry.key() > wm {
                 break;
@@ -1063,7 +1057,6 @@ impl WindowEngine {
             // A canonical order (key, window, kind), not the order of scheduling: a
             // restored engine, which rebuilds its timers from its windows, fires alike.
             timers.sort_unstable_by_key(|t| (t.key, t.start, matches!(t.kind, TimerKind::Retire)));
-            out.reserve(timers.len());
             for timer in timers {
                 self.run_timer(at, timer, wm, proc_time_us, &mut out);
             }
@@ -1090,23 +1083,30 @@ impl WindowEngine {
                 .next_early_at
                 .get_or_insert(proc_time_us.saturating_add(every));
             if proc_time_us >= due {
-                let mut early = std::mem::take(&mut self.early_queue);
+                let mut early = std::mem::take(&mut self.early_keys);
                 early.sort_unstable();
-                out.reserve(early.len());
-                for (key, start) in early {
-                    self.emit(
-                        key,
-                        start,
-                        Completeness::Provisional,
-                        wm,
-                        proc_time_us,
-                        &mut out,
-                    );
+                early.dedup();
+                // Sized first: the columns of a sliding job's emissions run to hundreds of
+                // megabytes, and growing them copies that again.
+                let due: usize = early
+                    .iter()
+                    .map(|k| {
+                        self.key_windows[*k as usize]
+                            .iter()
+                            .filter(|w| w.meta.dirty && !w.meta.closed)
+                            .count()
+                    })
+                    .sum();
+                out.reserve(due);
+                for &key in &early {
+                    self.emit_early(key, wm, proc_time_us, &mut out);
                 }
+                early.clear();
+                self.early_keys = early;
                 self.next_early_at = Some(proc_time_us.saturating_add(every));
             }
         } else {
-            self.early_queue.clear();
+            self.early_keys.clear();
         }
         // 5. Dedup identities past their horizon, once the set is a quarter full: a
         // sweep reads every slot, and before then it cannot save the set a growth (a
@@ -1121,7 +1121,7 @@ impl WindowEngine {
         out
     }
 
-    fn run_timer(&mut self, at: i64, timer: Timer, wm: i64, now: i64, out: &mut Vec<OutputRow>) {
+    fn run_timer(&mut self, at: i64, timer: Timer, wm: i64, now: i64, out: &mut Emissions) {
         let Timer { key, start, kind } = timer;
         if self.is_session() {
             let Some(end) = self
@@ -1175,22 +1175,86 @@ impl WindowEngine {
                     },
                 );
             }
-            TimerKind::Retire => {
-                self.emit(key, start, Completeness::Corrected, wm, now, out);
-                let windows = &mut self.key_windows[key as usize];
-                if let Ok(i) = seek(windows, start, |w| w.start) {
-                    windows.remove(i);
-                }
-                // Pane `start` belongs to no younger window than this one: it is done.
-                let panes = &mut self.key_panes[key as usize];
-                if let Ok(i) = seek(panes, start, |p| p.start) {
-                    let slab = panes.remove(i).slab;
-                    self.pane_dirty[slab as usize] = false;
-                    self.free.push(slab);
-                    self.newest[key as usize] = Pane::newest(panes);
-                }
+            TimerKind::Retire => self.retire(key, start, wm, now, out),
+        }
+    }
+
+    /// Retires window `start` of `key` (tumbling or sliding), with its last correction if
+    /// one is due. Windows of a key retire in start order: a pane goes with the youngest
+    /// window over it, once every older window over it has made its last correction.
+    fn retire(&mut self, key: u32, start: i64, wm: i64, now: i64, out: &mut Emissions) {
+        self.emit(key, start, Completeness::Corrected, wm, now, out);
+        let windows = &mut self.key_windows[key as usize];
+        if let Ok(i) = seek(windows, start, |w| w.start) {
+            windows.remove(i);
+        }
+        // Pane `start` belongs to no younger window than this one: it is done.
+        let panes = &mut self.key_panes[key as usize];
+        if let Ok(i) = seek(panes, start, |p| p.start) {
+            let slab = panes.remove(i).slab;
+            self.pane_dirty[slab as usize] = false;
+            self.free.push(slab);
+            self.newest[key as usize] = Pane::newest(panes);
+        }
+    }
+
+    /// The windows the early trigger will emit, as `(key, window start)` in order (the
+    /// state's early queue).
+    pub(crate) fn early_queue(&self) -> Vec<(u32, i64)> {
+        let mut keys = self.early_keys.clone();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.into_iter()
+            .flat_map(|k| {
+                self.key_windows[k as usize]
+                    .iter()
+                    .filter(|w| w.meta.dirty && !w.meta.closed)
+                    .map(move |w| (k, w.start))
+            })
+            .collect()
+    }
+
+    /// The provisional versions of `key`'s changed open windows, in window order: one walk
+    /// over its windows and panes, each window merging the panes it covers (a sliding
+    /// window's pane is in every window over it, so one change emits many windows).
+    fn emit_early(&mut self, key: u32, wm: i64, now: i64, out: &mut Emissions) {
+        let windows = &mut self.key_windows[key as usize];
+        let panes = &self.key_panes[key as usize];
+        let stride = self.layout.stride;
+        let mut acc = std::mem::take(&mut self.acc_buf);
+        let mut from = 0;
+        for w in windows.iter_mut() {
+            if w.meta.closed || !w.meta.dirty {
+                continue;
+            }
+            w.meta.dirty = false;
+            let end = w.start.saturating_add(self.panes_per_window);
+            from += panes[from..].partition_point(|p| p.start < w.start);
+            acc.clear();
+            acc.extend_from_slice(&self.empty_acc);
+            for pane in panes[from..].iter().take_while(|p| p.start < end) {
+                let base = pane.slab as usize * stride;
+                self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+            }
+            if acc[EVENTS] != 0 {
+                w.meta.version += 1;
+                out.push_acc(
+                    Version {
+                        key: self.keys.name(key),
+                        window: pane_window_bounds(w.start, self.pane_us, self.panes_per_window),
+                        output_version: w.meta.version,
+                        completeness: Completeness::Provisional,
+                        retracted: false,
+                        watermark: wm,
+                        emitted_at: now,
+                    },
+                    &acc,
+                    HEADER,
+                    &self.layout.aggs,
+                );
             }
         }
+        self.acc_buf = acc;
     }
 
     /// Emits window `start` of `key` when it has something to say for `completeness`.
@@ -1201,7 +1265,7 @@ impl WindowEngine {
         completeness: Completeness,
         wm: i64,
         now: i64,
-        out: &mut Vec<OutputRow>,
+        out: &mut Emissions,
     ) {
         /// Whether `completeness` has something to say, updating the window's bookkeeping.
         fn due(meta: &mut WindowMeta, completeness: Completeness) -> bool {
@@ -1255,20 +1319,20 @@ impl WindowEngine {
             && acc[EVENTS] != 0
         {
             meta.version += 1;
-            out.push(OutputRow {
-                key: Arc::clone(&self.key_names[key as usize]),
-                window_start: bounds.0,
-                window_end: bounds.1,
-                output_version: meta.version,
-                completeness,
-                retracted: false,
-                watermark: wm,
-                emitted_at: now,
-                first_event_time: acc[FIRST],
-                last_event_time: acc[LAST],
-                events: acc[EVENTS],
-                values: self.layout.values(&acc),
-            });
+            out.push_acc(
+                Version {
+                    key: self.keys.name(key),
+                    window: bounds,
+                    output_version: meta.version,
+                    completeness,
+                    retracted: false,
+                    watermark: wm,
+                    emitted_at: now,
+                },
+                &acc,
+                HEADER,
+                &self.layout.aggs,
+            );
         }
         self.acc_buf = acc;
     }

@@ -62,6 +62,12 @@ impl KeyTable {
         slice(&self.bytes, &self.ends, id)
     }
 
+    /// Keys held (ids are `0..len`).
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
     /// The id of `key`, if held.
     #[inline]
     pub fn get(&self, key: &str) -> Option<u32> {

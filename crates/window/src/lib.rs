@@ -8,7 +8,8 @@
 //! - [`WindowEngine`]: tumbling, sliding (pane-based) and session windows; per-input
 //!   watermarks with idleness; early, on-time and corrected emissions; allowed lateness and
 //!   a late output; dedup by identity within a horizon; key groups; snapshot and restore.
-//! - [`OutputRow`], [`outputs_to_batch`], [`late_rows`]: what the sink writes.
+//! - [`Emissions`] (with its row view, [`OutputRow`]) and [`late_rows`]: what the sink
+//!   writes.
 //!
 //! The operator lifecycle (STYLE.md §5): `process_batch` (records in), `fire` (time
 //! advances, triggers fire), `finish` (end of input), `snapshot` / `restore` (declared
@@ -27,8 +28,8 @@ mod watermark;
 pub use engine::{DEFAULT_KEY_GROUPS, EngineConfig, WindowEngine};
 pub use error::{Result, WindowError};
 pub use output::{
-    AggValue, BatchOutcome, Completeness, LateReason, LateRecord, OutputRow, late_rows,
-    output_schema, outputs_to_batch,
+    AggValue, BatchOutcome, Completeness, Emissions, LateReason, LateRecord, OutputRow, late_rows,
+    output_schema,
 };
 pub use spec::{
     AggregateFunction, AggregateSpec, DedupSpec, JobSpec, KeySpec, LatenessSpec, OutputSpec,

@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use arrow::array::{
-    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, RecordBatch, StringBuilder,
-    TimestampMicrosecondBuilder,
+    ArrayRef, BooleanArray, Float64Array, Int64Array, RecordBatch, StringArray, StringBuilder,
+    TimestampMicrosecondArray, TimestampMicrosecondBuilder,
 };
+use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow::compute::take;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use serde::{Deserialize, Serialize};
@@ -53,12 +54,12 @@ pub enum AggValue {
     Null,
 }
 
-/// One emitted version of one output identity `(job, namespace, key, window_start, window_end)`.
+/// One emitted version of one output identity `(job, namespace, key, window_start, window_end)`,
+/// as a row: [`Emissions`] holds them column by column.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutputRow {
-    /// Key value (multi-column keys joined with `|`), shared with the engine's key table.
-    #[serde(with = "shared_str")]
-    pub key: Arc<str>,
+    /// Key value (multi-column keys joined with `|`).
+    pub key: String,
     /// Window start, µs (inclusive).
     pub window_start: i64,
     /// Window end, µs (exclusive).
@@ -158,100 +159,408 @@ pub fn output_schema(spec: &JobSpec) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
-/// Output rows as one batch of [`output_schema`]. `input_snapshots[i]` is the snapshot of
-/// the source that row `i` reflects (the input position of its emission; `None` or a
-/// short slice: unknown).
-pub fn outputs_to_batch(
-    spec: &JobSpec,
-    namespace: &str,
-    rows: &[OutputRow],
-    input_snapshots: &[Option<i64>],
-) -> Result<RecordBatch> {
-    let n = rows.len();
-    let ts = || TimestampMicrosecondBuilder::with_capacity(n).with_timezone("+00:00");
-    let (mut job, mut ns, mut key, mut comp) = (
-        StringBuilder::new(),
-        StringBuilder::new(),
-        StringBuilder::new(),
-        StringBuilder::new(),
-    );
-    let mut jv = Int64Builder::with_capacity(n);
-    let mut ver = Int64Builder::with_capacity(n);
-    let mut retracted = BooleanBuilder::with_capacity(n);
-    let (mut ws, mut we, mut wm, mut at, mut first, mut last) =
-        (ts(), ts(), ts(), ts(), ts(), ts());
-    let mut events = Int64Builder::with_capacity(n);
-    let mut input = Int64Builder::with_capacity(n);
-    let mut ints: Vec<Int64Builder> = Vec::new();
-    let mut floats: Vec<Float64Builder> = Vec::new();
-    for a in &spec.aggregates {
-        match a.function {
-            AggregateFunction::Avg => floats.push(Float64Builder::with_capacity(n)),
-            _ => ints.push(Int64Builder::with_capacity(n)),
+/// One version the engine emits, apart from its accumulator (see [`Emissions::push_acc`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Version<'a> {
+    pub key: &'a str,
+    pub window: (i64, i64),
+    pub output_version: u32,
+    pub completeness: Completeness,
+    pub retracted: bool,
+    pub watermark: i64,
+    pub emitted_at: i64,
+}
+
+/// One aggregate's values, one per row: an avg as the bits of its `f64`, and whether the
+/// row has a value at all.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+struct ValueColumn {
+    float: bool,
+    values: Vec<i64>,
+    valid: Vec<bool>,
+}
+
+impl ValueColumn {
+    fn get(&self, row: usize) -> AggValue {
+        match (self.valid[row], self.float) {
+            (false, _) => AggValue::Null,
+            (true, true) => AggValue::Float(f64::from_bits(self.values[row] as u64)),
+            (true, false) => AggValue::Int(self.values[row]),
         }
     }
-    for (i, r) in rows.iter().enumerate() {
-        input.append_option(input_snapshots.get(i).copied().flatten());
-        job.append_value(&spec.name);
-        ns.append_value(namespace);
-        jv.append_value(i64::from(spec.version));
-        key.append_value(&r.key);
-        ws.append_value(r.window_start);
-        we.append_value(r.window_end);
-        ver.append_value(i64::from(r.output_version));
-        comp.append_value(r.completeness.as_str());
-        retracted.append_value(r.retracted);
-        wm.append_value(r.watermark);
-        at.append_value(r.emitted_at);
-        first.append_value(r.first_event_time);
-        last.append_value(r.last_event_time);
-        events.append_value(r.events);
-        let (mut i, mut f) = (0, 0);
-        for (a, v) in spec.aggregates.iter().zip(&r.values) {
-            if a.function == AggregateFunction::Avg {
-                match v {
-                    AggValue::Float(x) => floats[f].append_value(*x),
-                    _ => floats[f].append_null(),
-                }
-                f += 1;
-            } else {
-                match v {
-                    AggValue::Int(x) => ints[i].append_value(*x),
-                    _ => ints[i].append_null(),
-                }
-                i += 1;
+
+    fn push(&mut self, v: AggValue) {
+        let (value, valid) = match v {
+            AggValue::Int(x) => (x, true),
+            AggValue::Float(x) => {
+                self.float = true;
+                (x.to_bits() as i64, true)
             }
+            AggValue::Null => (0, false),
+        };
+        self.values.push(value);
+        self.valid.push(valid);
+    }
+}
+
+/// Emitted versions, column by column: what [`WindowEngine::fire`] and
+/// [`WindowEngine::finish`] return, and what the sink writes with [`Emissions::to_batch`].
+///
+/// An emission appends a few values to each column, with no allocation of its own: the
+/// engine's early trigger emits many versions per event (a sliding window's pane is in
+/// every window that covers it), so a version costs what its columns cost. Row views
+/// ([`Emissions::rows`]) are for tests, state snapshots and the odd consumer.
+///
+/// [`WindowEngine::fire`]: crate::WindowEngine::fire
+/// [`WindowEngine::finish`]: crate::WindowEngine::finish
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Emissions {
+    /// Keys back to back; row `i`'s key is `key_bytes[key_offsets[i]..key_offsets[i + 1]]`
+    /// (`key_offsets` is empty or one longer than the rows, as Arrow's offsets).
+    key_bytes: String,
+    key_offsets: Vec<i32>,
+    window_start: Vec<i64>,
+    window_end: Vec<i64>,
+    output_version: Vec<u32>,
+    completeness: Vec<Completeness>,
+    retracted: Vec<bool>,
+    watermark: Vec<i64>,
+    emitted_at: Vec<i64>,
+    first_event_time: Vec<i64>,
+    last_event_time: Vec<i64>,
+    events: Vec<i64>,
+    /// Per aggregate, in the spec's order.
+    values: Vec<ValueColumn>,
+}
+
+impl Emissions {
+    /// Versions held.
+    pub fn len(&self) -> usize {
+        self.window_start.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.window_start.is_empty()
+    }
+
+    /// Row `i`'s key value.
+    pub fn key(&self, i: usize) -> &str {
+        &self.key_bytes[self.key_offsets[i] as usize..self.key_offsets[i + 1] as usize]
+    }
+
+    /// Window starts, µs.
+    pub fn window_start(&self) -> &[i64] {
+        &self.window_start
+    }
+
+    /// Window ends, µs.
+    pub fn window_end(&self) -> &[i64] {
+        &self.window_end
+    }
+
+    /// Whether each row withdraws its identity.
+    pub fn retracted(&self) -> &[bool] {
+        &self.retracted
+    }
+
+    /// Completeness of each row, to restate (a backfill marks the windows its range cuts).
+    pub fn completeness_mut(&mut self) -> &mut [Completeness] {
+        &mut self.completeness
+    }
+
+    /// The watermark of each row, to restate.
+    pub fn watermark_mut(&mut self) -> &mut [i64] {
+        &mut self.watermark
+    }
+
+    /// The emission time of each row, to restate.
+    pub fn emitted_at_mut(&mut self) -> &mut [i64] {
+        &mut self.emitted_at
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> OutputRow {
+        OutputRow {
+            key: self.key(i).to_string(),
+            window_start: self.window_start[i],
+            window_end: self.window_end[i],
+            output_version: self.output_version[i],
+            completeness: self.completeness[i],
+            retracted: self.retracted[i],
+            watermark: self.watermark[i],
+            emitted_at: self.emitted_at[i],
+            first_event_time: self.first_event_time[i],
+            last_event_time: self.last_event_time[i],
+            events: self.events[i],
+            values: self.values.iter().map(|c| c.get(i)).collect(),
         }
     }
-    let mut columns: Vec<ArrayRef> = vec![
-        Arc::new(job.finish()),
-        Arc::new(ns.finish()),
-        Arc::new(jv.finish()),
-        Arc::new(key.finish()),
-        Arc::new(ws.finish()),
-        Arc::new(we.finish()),
-        Arc::new(ver.finish()),
-        Arc::new(comp.finish()),
-        Arc::new(retracted.finish()),
-        Arc::new(wm.finish()),
-        Arc::new(at.finish()),
-        Arc::new(input.finish()),
-        Arc::new(first.finish()),
-        Arc::new(last.finish()),
-        Arc::new(events.finish()),
-    ];
-    let (mut i, mut f) = (0, 0);
-    for a in &spec.aggregates {
-        if a.function == AggregateFunction::Avg {
-            columns.push(Arc::new(floats[f].finish()));
-            f += 1;
+
+    /// Every row, in emission order.
+    pub fn rows(&self) -> impl ExactSizeIterator<Item = OutputRow> + '_ {
+        (0..self.len()).map(|i| self.row(i))
+    }
+
+    /// Appends `row`.
+    pub fn push_row(&mut self, row: &OutputRow) {
+        self.push_head(
+            Version {
+                key: &row.key,
+                window: (row.window_start, row.window_end),
+                output_version: row.output_version,
+                completeness: row.completeness,
+                retracted: row.retracted,
+                watermark: row.watermark,
+                emitted_at: row.emitted_at,
+            },
+            [row.first_event_time, row.last_event_time, row.events],
+        );
+        if self.values.len() < row.values.len() {
+            let filled = ValueColumn {
+                float: false,
+                values: vec![0; self.len() - 1],
+                valid: vec![false; self.len() - 1],
+            };
+            self.values.resize(row.values.len(), filled);
+        }
+        for (i, c) in self.values.iter_mut().enumerate() {
+            c.push(row.values.get(i).copied().unwrap_or(AggValue::Null));
+        }
+    }
+
+    /// Appends a version whose accumulator is `acc`, laid out as `aggs` says: each
+    /// aggregate's function and first slot (its value, then the values it counted), after
+    /// the slots of `[first, last, events]` at `header`.
+    pub(crate) fn push_acc(
+        &mut self,
+        v: Version<'_>,
+        acc: &[i64],
+        header: [usize; 3],
+        aggs: &[(AggregateFunction, usize)],
+    ) {
+        self.push_head(v, header.map(|s| acc[s]));
+        if self.values.is_empty() {
+            // As much room as the other columns were given.
+            let room = self.window_start.capacity();
+            self.values = aggs
+                .iter()
+                .map(|(f, _)| ValueColumn {
+                    float: *f == AggregateFunction::Avg,
+                    values: Vec::with_capacity(room),
+                    valid: Vec::with_capacity(room),
+                })
+                .collect();
+        }
+        for (c, (f, s)) in self.values.iter_mut().zip(aggs) {
+            let value = acc[*s];
+            let (value, valid) = match f {
+                AggregateFunction::Count => (value, true),
+                _ if acc[*s + 1] == 0 => (0, false),
+                AggregateFunction::Avg => {
+                    ((value as f64 / acc[*s + 1] as f64).to_bits() as i64, true)
+                }
+                _ => (value, true),
+            };
+            c.values.push(value);
+            c.valid.push(valid);
+        }
+    }
+
+    fn push_head(&mut self, v: Version<'_>, [first, last, events]: [i64; 3]) {
+        if self.key_offsets.is_empty() {
+            self.key_offsets.push(0);
+        }
+        self.key_bytes.push_str(v.key);
+        self.key_offsets.push(self.key_bytes.len() as i32);
+        self.window_start.push(v.window.0);
+        self.window_end.push(v.window.1);
+        self.output_version.push(v.output_version);
+        self.completeness.push(v.completeness);
+        self.retracted.push(v.retracted);
+        self.watermark.push(v.watermark);
+        self.emitted_at.push(v.emitted_at);
+        self.first_event_time.push(first);
+        self.last_event_time.push(last);
+        self.events.push(events);
+    }
+
+    /// Room for `additional` more rows.
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        // Keys of the length seen so far (or of 16 bytes).
+        let key_len = match self.len() {
+            0 => 16,
+            n => self.key_bytes.len().div_ceil(n),
+        };
+        self.key_bytes.reserve(additional.saturating_mul(key_len));
+        self.key_offsets.reserve(additional + 1);
+        self.window_start.reserve(additional);
+        self.window_end.reserve(additional);
+        self.output_version.reserve(additional);
+        self.completeness.reserve(additional);
+        self.retracted.reserve(additional);
+        self.watermark.reserve(additional);
+        self.emitted_at.reserve(additional);
+        self.first_event_time.reserve(additional);
+        self.last_event_time.reserve(additional);
+        self.events.reserve(additional);
+        for c in &mut self.values {
+            c.values.reserve(additional);
+            c.valid.reserve(additional);
+        }
+    }
+
+    /// Appends `other`'s rows.
+    pub fn append(&mut self, mut other: Emissions) {
+        if self.is_empty() {
+            *self = other;
+            return;
+        }
+        if other.is_empty() {
+            return;
+        }
+        let base = *self.key_offsets.last().unwrap_or(&0);
+        self.key_bytes.push_str(&other.key_bytes);
+        self.key_offsets
+            .extend(other.key_offsets[1..].iter().map(|o| o + base));
+        self.window_start.append(&mut other.window_start);
+        self.window_end.append(&mut other.window_end);
+        self.output_version.append(&mut other.output_version);
+        self.completeness.append(&mut other.completeness);
+        self.retracted.append(&mut other.retracted);
+        self.watermark.append(&mut other.watermark);
+        self.emitted_at.append(&mut other.emitted_at);
+        self.first_event_time.append(&mut other.first_event_time);
+        self.last_event_time.append(&mut other.last_event_time);
+        self.events.append(&mut other.events);
+        for (c, o) in self.values.iter_mut().zip(other.values.iter_mut()) {
+            c.float |= o.float;
+            c.values.append(&mut o.values);
+            c.valid.append(&mut o.valid);
+        }
+    }
+
+    /// Keeps the rows `keep` says to keep (one flag per row), in order.
+    pub fn retain(&mut self, keep: &[bool]) {
+        fn each<T>(v: &mut Vec<T>, keep: &[bool]) {
+            let mut i = 0;
+            v.retain(|_| {
+                i += 1;
+                keep[i - 1]
+            });
+        }
+        assert_eq!(keep.len(), self.len(), "one flag per row");
+        let mut bytes = String::new();
+        let mut offsets = vec![0];
+        for i in (0..self.len()).filter(|i| keep[*i]) {
+            bytes.push_str(self.key(i));
+            offsets.push(bytes.len() as i32);
+        }
+        self.key_bytes = bytes;
+        self.key_offsets = offsets;
+        each(&mut self.window_start, keep);
+        each(&mut self.window_end, keep);
+        each(&mut self.output_version, keep);
+        each(&mut self.completeness, keep);
+        each(&mut self.retracted, keep);
+        each(&mut self.watermark, keep);
+        each(&mut self.emitted_at, keep);
+        each(&mut self.first_event_time, keep);
+        each(&mut self.last_event_time, keep);
+        each(&mut self.events, keep);
+        for c in &mut self.values {
+            each(&mut c.values, keep);
+            each(&mut c.valid, keep);
+        }
+    }
+
+    /// The rows as one batch of [`output_schema`]. `input_snapshots[i]` is the snapshot of
+    /// the source that row `i` reflects (the input position of its emission; `None` or a
+    /// short slice: unknown).
+    pub fn to_batch(
+        &self,
+        spec: &JobSpec,
+        namespace: &str,
+        input_snapshots: &[Option<i64>],
+    ) -> Result<RecordBatch> {
+        let n = self.len();
+        let internal =
+            |e: String| WindowError::new(ErrorKind::Internal, format!("output batch: {e}"));
+        if !self.is_empty() && self.values.len() != spec.aggregates.len() {
+            return Err(internal(format!(
+                "{} value columns for {} aggregates",
+                self.values.len(),
+                spec.aggregates.len()
+            )));
+        }
+        let ts = |v: &[i64]| -> ArrayRef {
+            Arc::new(TimestampMicrosecondArray::from(v.to_vec()).with_timezone("+00:00"))
+        };
+        let repeat = |s: &str| -> ArrayRef {
+            Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, n)))
+        };
+        let keys = if self.is_empty() {
+            StringArray::from(Vec::<&str>::new())
         } else {
-            columns.push(Arc::new(ints[i].finish()));
-            i += 1;
+            StringArray::try_new(
+                OffsetBuffer::new(ScalarBuffer::from(self.key_offsets.clone())),
+                Buffer::from(self.key_bytes.as_bytes()),
+                None,
+            )
+            .map_err(|e| internal(e.to_string()))?
+        };
+        let mut columns: Vec<ArrayRef> = vec![
+            repeat(&spec.name),
+            repeat(namespace),
+            Arc::new(Int64Array::from_value(i64::from(spec.version), n)),
+            Arc::new(keys),
+            ts(&self.window_start),
+            ts(&self.window_end),
+            Arc::new(Int64Array::from_iter_values(
+                self.output_version.iter().map(|v| i64::from(*v)),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                self.completeness.iter().map(|c| c.as_str()),
+            )),
+            Arc::new(BooleanArray::from(self.retracted.clone())),
+            ts(&self.watermark),
+            ts(&self.emitted_at),
+            Arc::new(Int64Array::from_iter(
+                (0..n).map(|i| input_snapshots.get(i).copied().flatten()),
+            )),
+            ts(&self.first_event_time),
+            ts(&self.last_event_time),
+            Arc::new(Int64Array::from(self.events.clone())),
+        ];
+        for (i, a) in spec.aggregates.iter().enumerate() {
+            let Some(c) = self.values.get(i) else {
+                columns.push(if a.function == AggregateFunction::Avg {
+                    Arc::new(Float64Array::from(Vec::<f64>::new()))
+                } else {
+                    Arc::new(Int64Array::from(Vec::<i64>::new()))
+                });
+                continue;
+            };
+            let nulls = Some(NullBuffer::from(c.valid.clone()));
+            columns.push(if a.function == AggregateFunction::Avg {
+                let v: Vec<f64> = c.values.iter().map(|b| f64::from_bits(*b as u64)).collect();
+                Arc::new(Float64Array::new(v.into(), nulls))
+            } else {
+                Arc::new(Int64Array::new(c.values.clone().into(), nulls))
+            });
         }
+        RecordBatch::try_new(output_schema(spec), columns).map_err(|e| internal(e.to_string()))
     }
-    RecordBatch::try_new(output_schema(spec), columns)
-        .map_err(|e| WindowError::new(ErrorKind::Internal, format!("output batch: {e}")))
+}
+
+impl FromIterator<OutputRow> for Emissions {
+    fn from_iter<I: IntoIterator<Item = OutputRow>>(rows: I) -> Self {
+        let mut out = Emissions::default();
+        for r in rows {
+            out.push_row(&r);
+        }
+        out
+    }
 }
 
 /// The late records of `batch` as rows of that batch plus `reason` and `watermark` columns.
@@ -287,17 +596,163 @@ pub fn late_rows(batch: &RecordBatch, late: &[LateRecord]) -> Result<RecordBatch
         .map_err(|e| WindowError::new(ErrorKind::Internal, format!("late rows: {e}")))
 }
 
-/// Serde for a shared string, as a plain string.
-mod shared_str {
-    use std::sync::Arc;
+#[cfg(test)]
+mod tests {
+    use arrow::array::AsArray;
+    use arrow::datatypes::{Float64Type, Int64Type};
 
-    use serde::{Deserialize, Deserializer, Serializer};
+    use super::*;
 
-    pub fn serialize<S: Serializer>(value: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(value)
+    fn spec() -> JobSpec {
+        JobSpec::from_toml(
+            r#"
+            name = "t"
+            version = 3
+            [source]
+            table = "signalweave.events"
+            [key]
+            columns = ["market_id"]
+            [time]
+            max_out_of_orderness = "5s"
+            [window]
+            kind = "tumbling"
+            size = "1m"
+            [triggers]
+            [lateness]
+            allowed = "2h"
+            [output]
+            table = "t"
+            [[aggregates]]
+            name = "n"
+            function = "count"
+            [[aggregates]]
+            name = "mean"
+            function = "avg"
+            column = "amount_minor"
+            [[aggregates]]
+            name = "low"
+            function = "min"
+            column = "amount_minor"
+            "#,
+        )
+        .unwrap()
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<str>, D::Error> {
-        String::deserialize(d).map(Arc::from)
+    fn row(key: &str, start: i64, values: Vec<AggValue>) -> OutputRow {
+        OutputRow {
+            key: key.into(),
+            window_start: start,
+            window_end: start + 60,
+            output_version: 1,
+            completeness: Completeness::Provisional,
+            retracted: false,
+            watermark: 7,
+            emitted_at: 8,
+            first_event_time: start,
+            last_event_time: start + 1,
+            events: 2,
+            values,
+        }
+    }
+
+    fn rows() -> Vec<OutputRow> {
+        vec![
+            row(
+                "m-1",
+                0,
+                vec![AggValue::Null, AggValue::Null, AggValue::Null],
+            ),
+            row(
+                "market-two",
+                60,
+                vec![AggValue::Int(2), AggValue::Float(2.5), AggValue::Int(-4)],
+            ),
+            row(
+                "",
+                120,
+                vec![AggValue::Int(0), AggValue::Null, AggValue::Int(9)],
+            ),
+        ]
+    }
+
+    #[test]
+    fn rows_survive_the_columns_append_and_retain() {
+        let all: Emissions = rows().into_iter().collect();
+        assert_eq!(all.rows().collect::<Vec<_>>(), rows());
+        let mut joined: Emissions = rows()[..1].iter().cloned().collect();
+        joined.append(rows()[1..].iter().cloned().collect());
+        joined.append(Emissions::default());
+        assert_eq!(joined, all);
+        joined.retain(&[false, true, true]);
+        assert_eq!(joined.rows().collect::<Vec<_>>(), rows()[1..]);
+        assert_eq!(joined.key(0), "market-two");
+        joined.retain(&[true, false]);
+        assert_eq!(joined.rows().collect::<Vec<_>>(), rows()[1..2]);
+    }
+
+    #[test]
+    fn an_accumulator_becomes_values_with_nulls_where_nothing_counted() {
+        let aggs = [
+            (AggregateFunction::Count, 3),
+            (AggregateFunction::Avg, 4),
+            (AggregateFunction::Min, 6),
+        ];
+        let v = Version {
+            key: "k",
+            window: (0, 60),
+            output_version: 4,
+            completeness: Completeness::OnTime,
+            retracted: false,
+            watermark: 60,
+            emitted_at: 61,
+        };
+        let mut e = Emissions::default();
+        // [events, first, last, count, avg sum, avg counted, min, min counted]
+        e.push_acc(v, &[3, 10, 20, 3, 9, 2, -1, 2], [1, 2, 0], &aggs);
+        e.push_acc(v, &[1, 10, 10, 1, 0, 0, i64::MAX, 0], [1, 2, 0], &aggs);
+        let r = e.row(0);
+        assert_eq!(
+            (r.events, r.first_event_time, r.last_event_time),
+            (3, 10, 20)
+        );
+        assert_eq!(
+            r.values,
+            [AggValue::Int(3), AggValue::Float(4.5), AggValue::Int(-1)]
+        );
+        assert_eq!(
+            e.row(1).values,
+            [AggValue::Int(1), AggValue::Null, AggValue::Null]
+        );
+    }
+
+    #[test]
+    fn the_batch_holds_every_row_as_the_schema_types_it() {
+        let spec = spec();
+        let all: Emissions = rows().into_iter().collect();
+        let batch = all.to_batch(&spec, "ns", &[Some(5)]).unwrap();
+        assert_eq!(batch.schema(), output_schema(&spec));
+        assert_eq!(batch.num_rows(), 3);
+        let keys = batch.column_by_name("key").unwrap().as_string::<i32>();
+        assert_eq!(
+            keys.iter().collect::<Vec<_>>(),
+            [Some("m-1"), Some("market-two"), Some("")]
+        );
+        let input = batch.column_by_name("input_snapshot").unwrap();
+        let input = input.as_primitive::<Int64Type>();
+        assert_eq!(input.iter().collect::<Vec<_>>(), [Some(5), None, None]);
+        let mean = batch
+            .column_by_name("mean")
+            .unwrap()
+            .as_primitive::<Float64Type>();
+        assert_eq!(mean.iter().collect::<Vec<_>>(), [None, Some(2.5), None]);
+        let low = batch
+            .column_by_name("low")
+            .unwrap()
+            .as_primitive::<Int64Type>();
+        assert_eq!(low.iter().collect::<Vec<_>>(), [None, Some(-4), Some(9)]);
+        let version = batch.column_by_name("job_version").unwrap();
+        assert_eq!(version.as_primitive::<Int64Type>().value(2), 3);
+        let empty = Emissions::default().to_batch(&spec, "ns", &[]).unwrap();
+        assert_eq!(empty.num_rows(), 0);
     }
 }

@@ -140,12 +140,12 @@ impl WindowEngine {
     /// Serializes the state of the keys whose key group is in `groups`.
     pub fn snapshot_key_groups(&self, groups: RangeInclusive<u16>) -> Result<Vec<u8>> {
         let stride = self.layout.stride;
-        let mut keep: Vec<Option<u32>> = vec![None; self.key_names.len()];
+        let mut keep: Vec<Option<u32>> = vec![None; self.keys.len()];
         let mut key_names: Vec<String> = Vec::new();
-        for (id, name) in self.key_names.iter().enumerate() {
-            if groups.contains(&self.key_group[id]) {
+        for (id, kg) in self.key_group.iter().enumerate() {
+            if groups.contains(kg) {
                 keep[id] = Some(key_names.len() as u32);
-                key_names.push(name.to_string());
+                key_names.push(self.keys.name(id as u32).to_string());
             }
         }
         let remap = |id: u32| keep.get(id as usize).copied().flatten();
@@ -266,13 +266,12 @@ impl WindowEngine {
             timer_starts: timer_cols.2,
             timer_kinds: timer_cols.3,
             dirty_panes: pairs(&self.dirty_panes),
-            early_queue: pairs(&self.early_queue),
+            early_queue: pairs(&self.early_queue()),
             correction_queue: pairs(&self.correction_queue),
             pending: self
                 .pending
-                .iter()
+                .rows()
                 .filter(|r| groups.contains(&self.key_group_of(&r.key)))
-                .cloned()
                 .collect(),
             dedup_ids: put_u128(dedup.iter().map(|d| d.0)),
             dedup_expiry: put_i64(dedup.iter().map(|d| d.1)),
@@ -323,7 +322,7 @@ impl WindowEngine {
                 state.key_groups, self.config.key_groups
             )));
         }
-        let fresh = self.key_names.is_empty() && self.watermarks.current() == i64::MIN;
+        let fresh = self.keys.len() == 0 && self.watermarks.current() == i64::MIN;
         if !fresh && state.watermarks.current() != self.watermarks.current() {
             // A part behind the others would reopen windows the others already closed, and
             // emit versions they already used: parts must come from one checkpoint.
@@ -394,7 +393,6 @@ impl WindowEngine {
         // One allocation per map instead of repeated growth (millions of entries).
         self.keys
             .reserve(n_keys, state.key_names.iter().map(String::len).sum());
-        self.key_names.reserve(n_keys);
         self.key_group.reserve(n_keys);
         self.slab.reserve(panes * stride);
         self.dedup.reserve(dedups);
@@ -402,15 +400,14 @@ impl WindowEngine {
         for name in state.key_names {
             let id = self.keys.push(&name);
             let kg = self.key_group_of(&name);
-            self.key_names.push(name.into());
             self.key_group.push(kg);
             ids.push(id);
         }
         let pane_job = !self.is_session();
         if pane_job {
-            self.key_panes.resize_with(self.key_names.len(), Vec::new);
-            self.key_windows.resize_with(self.key_names.len(), Vec::new);
-            self.newest.resize(self.key_names.len(), Pane::NONE);
+            self.key_panes.resize_with(self.keys.len(), Vec::new);
+            self.key_windows.resize_with(self.keys.len(), Vec::new);
+            self.newest.resize(self.keys.len(), Pane::NONE);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = (self.slab.len() / stride) as u32;
@@ -527,12 +524,15 @@ impl WindowEngine {
         }
         for (list, target) in [
             (state.dirty_panes, &mut self.dirty_panes),
-            (state.early_queue, &mut self.early_queue),
             (state.correction_queue, &mut self.correction_queue),
         ] {
             target.extend(list.into_iter().filter_map(|(k, s)| id(k).map(|k| (k, s))));
         }
-        self.pending.extend(state.pending);
+        self.early_keys
+            .extend(state.early_queue.into_iter().filter_map(|(k, _)| id(k)));
+        for row in &state.pending {
+            self.pending.push_row(row);
+        }
         if fresh {
             self.watermarks = state.watermarks;
             self.dedup_swept_at = state.dedup_swept_at;
@@ -544,14 +544,8 @@ impl WindowEngine {
     /// The state held now.
     pub fn state_size(&self) -> StateSize {
         let stride_bytes = self.layout.stride * 8;
-        // Per key: its shared name (counts and bytes) and that name's slot, its key group,
-        // and the key table.
-        let key_bytes: usize = self
-            .key_names
-            .iter()
-            .map(|k| 16 + k.len() + 16 + 2)
-            .sum::<usize>()
-            + self.keys.heap_bytes();
+        // Per key: its key group, and its entry and bytes in the key table.
+        let key_bytes = self.key_group.capacity() * 2 + self.keys.heap_bytes();
         let panes: usize = self.key_panes.iter().map(Vec::len).sum();
         let windows: usize = self.key_windows.iter().map(Vec::len).sum();
         // Two lists per key; a pane or window entry is 16 bytes.
@@ -568,7 +562,7 @@ impl WindowEngine {
         let session_bytes =
             session_count * (8 + 16 + 24 + stride_bytes + 16) + self.sessions.len() * 40;
         StateSize {
-            keys: self.key_names.len(),
+            keys: self.keys.len(),
             windows: windows + session_count,
             panes,
             timers,

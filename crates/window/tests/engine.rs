@@ -182,7 +182,7 @@ fn late_event_bridging_two_sessions_retracts_both() {
     );
     let mut all = out.rows.clone();
     all.extend(more.rows);
-    all.extend(e.finish(3 * S));
+    all.extend(e.finish(3 * S).rows());
     let f = finals(&all);
     assert_eq!(f.keys().filter(|k| k.0 == "a").count(), 1);
     assert_versions_strictly_increase(&all);
@@ -272,7 +272,7 @@ fn a_retired_session_is_never_recreated() {
         "a record inside the retired session's span is late"
     );
     out.rows.extend(late.rows);
-    out.rows.extend(e.finish(4 * S));
+    out.rows.extend(e.finish(4 * S).rows());
     let f = finals(&out.rows);
     assert_eq!(f.keys().filter(|k| k.0 == "a").count(), 1);
 }
@@ -299,7 +299,7 @@ fn a_long_session_never_counts_a_replayed_record_twice() {
         "either a duplicate or late, never counted"
     );
     out.rows.extend(replay.rows);
-    out.rows.extend(e.finish(182 * S));
+    out.rows.extend(e.finish(182 * S).rows());
     let f = finals(&out.rows);
     assert_eq!(f.values().map(|(n, _)| *n).sum::<i64>(), 180);
 }
@@ -348,7 +348,7 @@ fn multi_column_keys_do_not_collide() {
         b.push(&ev);
     }
     e.process_batch(&b.finish().unwrap(), "src", 0).unwrap();
-    let rows = e.finish(S);
+    let rows: Vec<_> = e.finish(S).rows().collect();
     let keys: std::collections::BTreeSet<_> = rows.iter().map(|r| r.key.clone()).collect();
     assert_eq!(keys.len(), 2, "{keys:?}");
 }
@@ -418,7 +418,7 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
             .collect::<Vec<_>>(),
         vec![(1, 70 * S)]
     );
-    let rows = e.finish(1);
+    let rows: Vec<_> = e.finish(1).rows().collect();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].events, 3);
     assert_eq!(

@@ -43,10 +43,10 @@ fn render(job: &str) -> String {
             .unwrap();
         late += outcome.late.len();
         dups += outcome.duplicates;
-        rows.extend(engine.fire(proc));
+        rows.extend(engine.fire(proc).rows());
         proc += 5_000_000;
     }
-    rows.extend(engine.finish(proc));
+    rows.extend(engine.finish(proc).rows());
     let mut out = String::new();
     let names: Vec<&str> = spec.aggregates.iter().map(|a| a.name.as_str()).collect();
     writeln!(

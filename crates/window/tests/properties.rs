@@ -232,7 +232,7 @@ proptest! {
         for (i, b) in batches[cut..].iter().enumerate() {
             step(&mut restored, b, (cut + i) as i64 * S, &mut out);
         }
-        out.rows.extend(restored.finish(batches.len() as i64 * S));
+        out.rows.extend(restored.finish(batches.len() as i64 * S).rows());
         prop_assert_eq!(&out.rows, &whole.rows);
 
         // Rescaling: split by key-group range, restore both halves into one engine.
@@ -248,7 +248,7 @@ proptest! {
         for (i, b) in batches[cut..].iter().enumerate() {
             step(&mut merged, b, (cut + i) as i64 * S, &mut out2);
         }
-        out2.rows.extend(merged.finish(batches.len() as i64 * S));
+        out2.rows.extend(merged.finish(batches.len() as i64 * S).rows());
         prop_assert_eq!(finals(&out2.rows), finals(&whole.rows));
     }
 

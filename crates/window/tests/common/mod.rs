@@ -117,7 +117,7 @@ pub fn run(engine: &mut WindowEngine, batches: &[Vec<Rec>], proc_start: i64) -> 
         step(engine, b, proc, &mut out);
         proc += S;
     }
-    out.rows.extend(engine.finish(proc));
+    out.rows.extend(engine.finish(proc).rows());
     out
 }
 
@@ -128,7 +128,7 @@ pub fn step(engine: &mut WindowEngine, recs: &[Rec], proc: i64, out: &mut Run) {
         out.late
             .extend(outcome.late.iter().map(|l| recs[l.row as usize].clone()));
     }
-    out.rows.extend(engine.fire(proc));
+    out.rows.extend(engine.fire(proc).rows());
 }
 
 /// Final result per identity: the highest version, without retracted identities.
