@@ -978,6 +978,7 @@ pub async fn run(
         control,
         options,
         labels,
+        engines: Arc::default(),
     };
     let result = backfill.run_subranges().await;
     let _ = stop_tx.send(true);
@@ -1159,6 +1160,9 @@ struct Running {
     control: Arc<AtomicU8>,
     options: RunOptions,
     labels: Labels,
+    /// Engines of finished sub-ranges, emptied, for the next ones: each keeps the memory
+    /// of its dedup set (see [`WindowEngine::reset`]).
+    engines: Arc<std::sync::Mutex<Vec<WindowEngine>>>,
 }
 
 impl Running {
@@ -1284,14 +1288,18 @@ impl Running {
 
     /// Reads and processes one sub-range; None when aborted meanwhile.
     async fn process(&self, sub: &SubRange) -> Result<Option<SubRangeOutput>> {
-        let mut engine = WindowEngine::new(
-            Arc::clone(&self.spec),
-            EngineConfig {
-                namespace: self.record.namespace.clone(),
-                key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
-                watermark_column: Some(ROW_WATERMARK.into()),
-            },
-        )?;
+        let recycled = self.engines.lock().ok().and_then(|mut e| e.pop());
+        let mut engine = match recycled {
+            Some(engine) => engine,
+            None => WindowEngine::new(
+                Arc::clone(&self.spec),
+                EngineConfig {
+                    namespace: self.record.namespace.clone(),
+                    key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
+                    watermark_column: Some(ROW_WATERMARK.into()),
+                },
+            )?,
+        };
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
         // The plan's count is of whole files (an upper bound): capped, so a slice of a few
         // huge files does not reserve more than it can use.
@@ -1396,6 +1404,10 @@ impl Running {
         // live job, later); it is as partial as one crossing the range's end.
         let input_watermark = self.arrivals.at(i64::MAX, i64::MAX);
         let mut rows = engine.finish(BACKFILL_PROC_TIME);
+        engine.reset();
+        if let Ok(mut engines) = self.engines.lock() {
+            engines.push(engine);
+        }
         let keep: Vec<bool> = rows
             .window_start()
             .iter()

@@ -66,11 +66,15 @@ impl DedupSet {
         self.slots.capacity() * std::mem::size_of::<Slot>()
     }
 
-    /// Makes room for `more` identities without growing.
+    /// Makes room for `more` identities without growing. The size is rounded up to a
+    /// sixteenth of the next power of two (at most an eighth more), so a set emptied and
+    /// reserved again for a run of about the same size (a backfill's next sub-range)
+    /// keeps its memory.
     pub fn reserve(&mut self, more: usize) {
         let need = self.len.saturating_add(more).saturating_mul(2);
         if need > self.slots.len() {
-            self.rebuild(need.max(MIN_SLOTS));
+            let step = (need.next_power_of_two() / 16).max(1);
+            self.rebuild(need.div_ceil(step).saturating_mul(step).max(MIN_SLOTS));
         }
     }
 
@@ -127,6 +131,15 @@ impl DedupSet {
         )
     }
 
+    /// Removes every identity, keeping the slots' memory.
+    pub fn clear(&mut self) {
+        if self.len > 0 {
+            self.slots.fill(Slot::default());
+            self.len = 0;
+        }
+        self.zero = None;
+    }
+
     /// Whether a sweep can be worth its cost: more than a quarter of the slots are held
     /// (the set grows at half).
     pub fn worth_sweeping(&self) -> bool {
@@ -168,6 +181,12 @@ impl DedupSet {
 
     /// Moves every identity into `slots` slots (at least twice `len`).
     fn rebuild(&mut self, slots: usize) {
+        if self.len == 0 {
+            // Nothing to move: the old slots go first, so the two are never held at once.
+            self.slots = Vec::new();
+            self.slots = vec![Slot::default(); slots];
+            return;
+        }
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); slots]);
         for slot in old.into_iter().filter(|s| s.id != 0) {
             place(&mut self.slots, slot);
@@ -188,6 +207,29 @@ mod tests {
     /// wrap around the end.
     fn crowd(i: u64) -> u128 {
         u128::from(if i.is_multiple_of(2) { i } else { u64::MAX - i })
+    }
+
+    #[test]
+    fn a_cleared_set_forgets_all_and_keeps_its_memory_for_a_like_reserve() {
+        let mut set = DedupSet::default();
+        set.reserve(100_000);
+        let slots = set.slots.len();
+        assert!(
+            (200_000..=225_000).contains(&slots),
+            "{slots}: an eighth at most over"
+        );
+        for id in 0..1_000u128 {
+            set.insert(id, 10, 0);
+        }
+        set.clear();
+        assert_eq!(set.len(), 0);
+        assert!(!set.observe(7, 10, 0, 0), "forgotten");
+        assert!(!set.observe(0, 10, 0, 0), "the zero digest too");
+        set.clear();
+        set.reserve(99_000);
+        assert_eq!(set.slots.len(), slots, "kept");
+        set.reserve(300_000);
+        assert!(set.slots.len() >= 600_000);
     }
 
     #[test]

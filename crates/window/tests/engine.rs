@@ -426,3 +426,34 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
         vec![AggValue::Int(3), AggValue::Int(1011), AggValue::Int(1000)]
     );
 }
+
+/// A reset engine (a backfill's next sub-range) holds nothing of its last run, dedup
+/// identities included, and runs the next input exactly as a new engine does.
+#[test]
+fn a_reset_engine_runs_like_a_new_one() {
+    let spec = spec(
+        "kind = \"sliding\"\nsize = \"3m\"\nslide = \"1m\"",
+        "5s",
+        "1h",
+        Some("20s"),
+    );
+    let first = [
+        vec![rec("a", 30 * S, "x", 1), rec("b", 40 * S, "y", 2)],
+        vec![rec("a", 90 * S, "z", 10)],
+    ];
+    let second = [
+        vec![rec("a", 10 * S, "x", 5), rec("c", 20 * S, "w", 7)],
+        vec![rec("a", 10 * S, "x", 5), rec("a", 200 * S, "v", 3)],
+    ];
+    let mut reused = engine(&spec);
+    reused.reserve(1_000);
+    run(&mut reused, &first, 0);
+    reused.reset();
+    assert_eq!(reused.state_size().keys, 0);
+    assert_eq!(reused.state_size().dedup_identities, 0);
+    let again = run(&mut reused, &second, 0);
+    let fresh = run(&mut engine(&spec), &second, 0);
+    assert_eq!(again.rows, fresh.rows);
+    assert_eq!(again.duplicates, 1, "`x` of the first run is forgotten");
+    assert_eq!(again.late, fresh.late);
+}
