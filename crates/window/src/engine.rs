@@ -1062,8 +1062,11 @@ impl WindowEngine {
                 self.early_keys.push(key);
             }
         }
-        // 2. Timers up to the watermark, in time order (room made for all first: at the end
-        // of input, every window fires).
+        // 2. Timers up to the watermark, in time order (room made for all first). At the
+        // end of input, tumbling and sliding windows end in one walk instead.
+        if wm == i64::MAX && !self.is_session() {
+            self.end_windows(wm, proc_time_us, &mut out);
+        }
         out.reserve(self.timers.range(..=wm).map(|(_, t)| t.len()).sum());
         while let Some(entry) = self.timers.first_entry() {
             if *entry.key() > wm {
@@ -1201,6 +1204,63 @@ impl WindowEngine {
         }
     }
 
+    /// The end of input for tumbling and sliding windows, key by key: each window makes
+    /// the one emission its two timers would make (on-time if still open, else the
+    /// correction it awaits) and retires with its panes. A walk over each key's windows
+    /// and panes, instead of two timer runs per window, each finding the window again.
+    fn end_windows(&mut self, wm: i64, now: i64, out: &mut Emissions) {
+        out.reserve(self.key_windows.iter().map(Vec::len).sum());
+        let stride = self.layout.stride;
+        let mut acc = std::mem::take(&mut self.acc_buf);
+        for (key, windows) in self.key_windows.iter_mut().enumerate() {
+            let panes = std::mem::take(&mut self.key_panes[key]);
+            let mut from = 0;
+            for w in windows.drain(..) {
+                let completeness = match (w.meta.closed, w.meta.dirty) {
+                    (false, _) => Completeness::OnTime,
+                    (true, true) => Completeness::Corrected,
+                    (true, false) => continue,
+                };
+                let end = w.start.saturating_add(self.panes_per_window);
+                from += panes[from..].partition_point(|p| p.start < w.start);
+                acc.clear();
+                acc.extend_from_slice(&self.empty_acc);
+                for pane in panes[from..].iter().take_while(|p| p.start < end) {
+                    let base = pane.slab as usize * stride;
+                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+                }
+                if acc[EVENTS] != 0 {
+                    out.push_acc(
+                        Version {
+                            key: self.keys.name(key as u32),
+                            window: pane_window_bounds(
+                                w.start,
+                                self.pane_us,
+                                self.panes_per_window,
+                            ),
+                            output_version: w.meta.version + 1,
+                            completeness,
+                            retracted: false,
+                            watermark: wm,
+                            emitted_at: now,
+                        },
+                        &acc,
+                        HEADER,
+                        &self.layout.aggs,
+                    );
+                }
+            }
+        }
+        self.acc_buf = acc;
+        self.newest.fill(Pane::NONE);
+        self.slab.clear();
+        self.pane_dirty.clear();
+        self.free.clear();
+        self.timers.clear();
+        self.correction_queue.clear();
+        self.early_keys.clear();
+    }
+
     /// Retires window `start` of `key` (tumbling or sliding), with its last correction if
     /// one is due. Windows of a key retire in start order: a pane goes with the youngest
     /// window over it, once every older window over it has made its last correction.
@@ -1245,6 +1305,9 @@ impl WindowEngine {
         let stride = self.layout.stride;
         let mut acc = std::mem::take(&mut self.acc_buf);
         let mut from = 0;
+        // The panes merged into `acc`: consecutive windows over the same panes (a key
+        // with few panes, in a sliding job) share one merge.
+        let mut merged = None;
         for w in windows.iter_mut() {
             if w.meta.closed || !w.meta.dirty {
                 continue;
@@ -1252,11 +1315,15 @@ impl WindowEngine {
             w.meta.dirty = false;
             let end = w.start.saturating_add(self.panes_per_window);
             from += panes[from..].partition_point(|p| p.start < w.start);
-            acc.clear();
-            acc.extend_from_slice(&self.empty_acc);
-            for pane in panes[from..].iter().take_while(|p| p.start < end) {
-                let base = pane.slab as usize * stride;
-                self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+            let to = from + panes[from..].partition_point(|p| p.start < end);
+            if merged != Some((from, to)) {
+                acc.clear();
+                acc.extend_from_slice(&self.empty_acc);
+                for pane in &panes[from..to] {
+                    let base = pane.slab as usize * stride;
+                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
+                }
+                merged = Some((from, to));
             }
             if acc[EVENTS] != 0 {
                 w.meta.version += 1;

@@ -457,3 +457,41 @@ fn a_reset_engine_runs_like_a_new_one() {
     assert_eq!(again.duplicates, 1, "`x` of the first run is forgotten");
     assert_eq!(again.late, fresh.late);
 }
+
+/// At the end of input every window makes its last emission: an open one its on-time
+/// version, a closed one the correction a late record made it await.
+#[test]
+fn the_end_of_input_emits_each_window_once_more_only_if_due() {
+    let spec = spec(
+        "kind = \"sliding\"\nsize = \"2m\"\nslide = \"1m\"",
+        "0s",
+        "1h",
+        None,
+    );
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(&mut e, &[rec("a", 10 * S, "1", 5)], 0, &mut out);
+    step(&mut e, &[rec("a", 130 * S, "2", 7)], S, &mut out); // windows ending by 130 s close
+    let closed: Vec<_> = out.rows.iter().map(|r| r.window_start).collect();
+    assert_eq!(closed, [-M, 0], "on time: [-1m, 1m) and [0, 2m)");
+    // A late record for [0, 1m) changes two closed windows; no fire before the end.
+    e.process_batch(&batch(&[rec("a", 20 * S, "3", 100)]), "src", 2 * S)
+        .unwrap();
+    let end: Vec<_> = e.finish(3 * S).rows().collect();
+    let got: Vec<_> = end
+        .iter()
+        .map(|r| (r.window_start, r.output_version, r.completeness, r.events))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (-M, 2, Completeness::Corrected, 2),
+            (0, 2, Completeness::Corrected, 2),
+            (M, 1, Completeness::OnTime, 1),
+            (2 * M, 1, Completeness::OnTime, 1),
+        ]
+    );
+    assert_eq!(e.state_size().windows, 0);
+    assert_eq!(e.state_size().panes, 0);
+    assert_eq!(e.state_size().timers, 0);
+}
