@@ -127,6 +127,17 @@ impl Layout {
         v
     }
 
+    /// Sets `acc` to `empty` merged with the accumulators (in `slab`) of `panes`.
+    #[inline]
+    fn merge_panes(&self, acc: &mut Vec<i64>, empty: &[i64], panes: &[Pane], slab: &[i64]) {
+        acc.clear();
+        acc.extend_from_slice(empty);
+        for pane in panes {
+            let base = pane.slab as usize * self.stride;
+            self.merge(acc, &slab[base..base + self.stride]);
+        }
+    }
+
     /// Merges `src` into `dst`.
     pub fn merge(&self, dst: &mut [i64], src: &[i64]) {
         for ((d, s), op) in dst.iter_mut().zip(src).zip(&self.ops) {
@@ -190,6 +201,18 @@ pub(crate) fn pane_window_bounds(
     (
         start,
         start.saturating_add(pane_us.saturating_mul(panes_per_window)),
+    )
+}
+
+/// The index range of the panes (of a key's list, sorted by start, searched from `from`)
+/// that the window of `panes_per_window` panes from pane `start` covers.
+#[inline]
+fn covered(panes: &[Pane], from: usize, start: i64, panes_per_window: i64) -> (usize, usize) {
+    let end = start.saturating_add(panes_per_window);
+    let from = from + panes[from..].partition_point(|p| p.start < start);
+    (
+        from,
+        from + panes[from..].partition_point(|p| p.start < end),
     )
 }
 
@@ -1210,7 +1233,6 @@ impl WindowEngine {
     /// and panes, instead of two timer runs per window, each finding the window again.
     fn end_windows(&mut self, wm: i64, now: i64, out: &mut Emissions) {
         out.reserve(self.key_windows.iter().map(Vec::len).sum());
-        let stride = self.layout.stride;
         let mut acc = std::mem::take(&mut self.acc_buf);
         for (key, windows) in self.key_windows.iter_mut().enumerate() {
             let panes = std::mem::take(&mut self.key_panes[key]);
@@ -1221,14 +1243,10 @@ impl WindowEngine {
                     (true, true) => Completeness::Corrected,
                     (true, false) => continue,
                 };
-                let end = w.start.saturating_add(self.panes_per_window);
-                from += panes[from..].partition_point(|p| p.start < w.start);
-                acc.clear();
-                acc.extend_from_slice(&self.empty_acc);
-                for pane in panes[from..].iter().take_while(|p| p.start < end) {
-                    let base = pane.slab as usize * stride;
-                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
-                }
+                let (first, to) = covered(&panes, from, w.start, self.panes_per_window);
+                from = first;
+                self.layout
+                    .merge_panes(&mut acc, &self.empty_acc, &panes[from..to], &self.slab);
                 if acc[EVENTS] != 0 {
                     out.push_acc(
                         Version {
@@ -1302,7 +1320,6 @@ impl WindowEngine {
     fn emit_early(&mut self, key: u32, wm: i64, now: i64, out: &mut Emissions) {
         let windows = &mut self.key_windows[key as usize];
         let panes = &self.key_panes[key as usize];
-        let stride = self.layout.stride;
         let mut acc = std::mem::take(&mut self.acc_buf);
         let mut from = 0;
         // The panes merged into `acc`: consecutive windows over the same panes (a key
@@ -1313,16 +1330,11 @@ impl WindowEngine {
                 continue;
             }
             w.meta.dirty = false;
-            let end = w.start.saturating_add(self.panes_per_window);
-            from += panes[from..].partition_point(|p| p.start < w.start);
-            let to = from + panes[from..].partition_point(|p| p.start < end);
+            let (first, to) = covered(panes, from, w.start, self.panes_per_window);
+            from = first;
             if merged != Some((from, to)) {
-                acc.clear();
-                acc.extend_from_slice(&self.empty_acc);
-                for pane in &panes[from..to] {
-                    let base = pane.slab as usize * stride;
-                    self.layout.merge(&mut acc, &self.slab[base..base + stride]);
-                }
+                self.layout
+                    .merge_panes(&mut acc, &self.empty_acc, &panes[from..to], &self.slab);
                 merged = Some((from, to));
             }
             if acc[EVENTS] != 0 {
@@ -1390,15 +1402,14 @@ impl WindowEngine {
             let windows = &mut self.key_windows[key as usize];
             match seek(windows, start, |w| w.start) {
                 Ok(i) if due(&mut windows[i].meta, completeness) => {
-                    acc.extend_from_slice(&self.empty_acc);
-                    let stride = self.layout.stride;
                     let panes = &self.key_panes[key as usize];
-                    let end = start.saturating_add(self.panes_per_window);
-                    let from = panes.partition_point(|p| p.start < start);
-                    for pane in panes[from..].iter().take_while(|p| p.start < end) {
-                        let base = pane.slab as usize * stride;
-                        self.layout.merge(&mut acc, &self.slab[base..base + stride]);
-                    }
+                    let (from, to) = covered(panes, 0, start, self.panes_per_window);
+                    self.layout.merge_panes(
+                        &mut acc,
+                        &self.empty_acc,
+                        &panes[from..to],
+                        &self.slab,
+                    );
                     Some((&mut windows[i].meta, bounds))
                 }
                 _ => None,
