@@ -138,6 +138,12 @@ impl Layout {
         }
     }
 
+    /// Appends to `out` version `v`, whose accumulator is `acc`.
+    #[inline]
+    fn push(&self, out: &mut Emissions, v: Version<'_>, acc: &[i64]) {
+        out.push_acc(v, acc, HEADER, &self.aggs);
+    }
+
     /// Merges `src` into `dst`.
     pub fn merge(&self, dst: &mut [i64], src: &[i64]) {
         for ((d, s), op) in dst.iter_mut().zip(src).zip(&self.ops) {
@@ -1002,20 +1008,16 @@ impl WindowEngine {
             let mut withdrawn = layout.empty();
             withdrawn[FIRST] = old.acc[FIRST];
             withdrawn[LAST] = old.acc[LAST];
-            self.pending.push_acc(
-                Version {
-                    key: self.keys.name(key),
-                    window: (s, old.end),
-                    output_version: old.meta.version + 1,
-                    completeness: Completeness::Corrected,
-                    retracted: true,
-                    watermark: wm,
-                    emitted_at: 0,
-                },
-                &withdrawn,
-                HEADER,
-                &layout.aggs,
-            );
+            let v = Version {
+                key: self.keys.name(key),
+                window: (s, old.end),
+                output_version: old.meta.version + 1,
+                completeness: Completeness::Corrected,
+                retracted: true,
+                watermark: wm,
+                emitted_at: 0,
+            };
+            layout.push(&mut self.pending, v, &withdrawn);
         }
         if closed {
             self.correction_queue.push((key, start));
@@ -1248,24 +1250,11 @@ impl WindowEngine {
                 self.layout
                     .merge_panes(&mut acc, &self.empty_acc, &panes[from..to], &self.slab);
                 if acc[EVENTS] != 0 {
-                    out.push_acc(
-                        Version {
-                            key: self.keys.name(key as u32),
-                            window: pane_window_bounds(
-                                w.start,
-                                self.pane_us,
-                                self.panes_per_window,
-                            ),
-                            output_version: w.meta.version + 1,
-                            completeness,
-                            retracted: false,
-                            watermark: wm,
-                            emitted_at: now,
-                        },
-                        &acc,
-                        HEADER,
-                        &self.layout.aggs,
-                    );
+                    let window = pane_window_bounds(w.start, self.pane_us, self.panes_per_window);
+                    let name = self.keys.name(key as u32);
+                    let v =
+                        Version::counted(name, window, w.meta.version + 1, completeness, wm, now);
+                    self.layout.push(out, v, &acc);
                 }
             }
         }
@@ -1339,20 +1328,16 @@ impl WindowEngine {
             }
             if acc[EVENTS] != 0 {
                 w.meta.version += 1;
-                out.push_acc(
-                    Version {
-                        key: self.keys.name(key),
-                        window: pane_window_bounds(w.start, self.pane_us, self.panes_per_window),
-                        output_version: w.meta.version,
-                        completeness: Completeness::Provisional,
-                        retracted: false,
-                        watermark: wm,
-                        emitted_at: now,
-                    },
-                    &acc,
-                    HEADER,
-                    &self.layout.aggs,
+                let window = pane_window_bounds(w.start, self.pane_us, self.panes_per_window);
+                let v = Version::counted(
+                    self.keys.name(key),
+                    window,
+                    w.meta.version,
+                    Completeness::Provisional,
+                    wm,
+                    now,
                 );
+                self.layout.push(out, v, &acc);
             }
         }
         self.acc_buf = acc;
@@ -1419,20 +1404,15 @@ impl WindowEngine {
             && acc[EVENTS] != 0
         {
             meta.version += 1;
-            out.push_acc(
-                Version {
-                    key: self.keys.name(key),
-                    window: bounds,
-                    output_version: meta.version,
-                    completeness,
-                    retracted: false,
-                    watermark: wm,
-                    emitted_at: now,
-                },
-                &acc,
-                HEADER,
-                &self.layout.aggs,
+            let v = Version::counted(
+                self.keys.name(key),
+                bounds,
+                meta.version,
+                completeness,
+                wm,
+                now,
             );
+            self.layout.push(out, v, &acc);
         }
         self.acc_buf = acc;
     }

@@ -171,6 +171,28 @@ pub(crate) struct Version<'a> {
     pub emitted_at: i64,
 }
 
+impl<'a> Version<'a> {
+    /// A version that states its window's counts (not a retraction).
+    pub fn counted(
+        key: &'a str,
+        window: (i64, i64),
+        output_version: u32,
+        completeness: Completeness,
+        watermark: i64,
+        emitted_at: i64,
+    ) -> Self {
+        Self {
+            key,
+            window,
+            output_version,
+            completeness,
+            retracted: false,
+            watermark,
+            emitted_at,
+        }
+    }
+}
+
 /// One aggregate's values, one per row: an avg as the bits of its `f64`, and whether the
 /// row has a value at all.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
