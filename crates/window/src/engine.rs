@@ -235,6 +235,7 @@ pub(crate) fn seek<T>(list: &[T], start: i64, of: impl Fn(&T) -> i64) -> Result<
 }
 
 /// A record of a batch that passed classification, on its way to dedup and its windows.
+#[derive(Clone, Copy)]
 struct Routed {
     row: u32,
     key: u32,
@@ -248,6 +249,9 @@ struct Routed {
 }
 
 const NO_SLAB: u32 = u32::MAX;
+/// Records whose dedup slots are read ahead at a time: their cache lines (64 KiB) stay in
+/// the core's own caches until observed.
+const DEDUP_CHUNK: usize = 1024;
 /// A record's key before it is interned.
 const NO_KEY: u32 = u32::MAX;
 
@@ -766,17 +770,35 @@ impl WindowEngine {
         });
         // Dedup, in record order. An identity held past its horizon (not yet swept)
         // counts as absent, so classification never depends on when the sweep ran.
+        // The set makes room for the batch first, so no observe moves a slot and each
+        // identity's first probe is known: a chunk's slots are read in a loop of their own
+        // (see `DedupSet::touch`), then observed from cache.
         let candidates = routed.len();
-        routed.retain(|r| {
-            let Some(id) = r.identity else {
-                return true;
-            };
-            let t = cols.time.value(r.row as usize);
-            let group = self.key_group[r.key as usize];
-            !self
-                .dedup
-                .observe(id, t.saturating_add(horizon), group, r.wm)
-        });
+        self.dedup.make_room(candidates);
+        let mut kept = 0;
+        let mut from = 0;
+        while from < candidates {
+            let to = (from + DEDUP_CHUNK).min(candidates);
+            std::hint::black_box(
+                self.dedup
+                    .touch(routed[from..to].iter().filter_map(|r| r.identity)),
+            );
+            for i in from..to {
+                let r = routed[i];
+                let duplicate = r.identity.is_some_and(|id| {
+                    let t = cols.time.value(r.row as usize);
+                    let group = self.key_group[r.key as usize];
+                    self.dedup
+                        .observe(id, t.saturating_add(horizon), group, r.wm)
+                });
+                if !duplicate {
+                    routed[kept] = r;
+                    kept += 1;
+                }
+            }
+            from = to;
+        }
+        routed.truncate(kept);
 
         outcome.duplicates += (candidates - routed.len()) as u64;
         // How each aggregate takes a record: its slot, the event type it counts (if
