@@ -38,6 +38,7 @@ use crate::error::{Result, WindowError};
 use crate::keys::KeyTable;
 use crate::output::{BatchOutcome, Completeness, Emissions, LateReason, LateRecord, Version};
 use crate::spec::{AggregateFunction, JobSpec, WindowSpec, micros};
+use crate::timers::WindowTimers;
 use crate::watermark::Watermarks;
 
 /// Default number of key groups (fixed for the life of a job).
@@ -249,11 +250,52 @@ struct Routed {
 }
 
 const NO_SLAB: u32 = u32::MAX;
-/// Records whose dedup slots are read ahead at a time: their cache lines (64 KiB) stay in
-/// the core's own caches until observed.
-const DEDUP_CHUNK: usize = 1024;
+/// Records whose dedup slots are read ahead at a time: their cache lines (16 KiB) stay in
+/// the core's first-level cache (48 KiB here) until observed.
+const DEDUP_CHUNK: usize = 256;
+/// Keys whose state a fire reads ahead at a time (see [`touch_windows`]).
+const READ_AHEAD: usize = 256;
 /// A record's key before it is interned.
 const NO_KEY: u32 = u32::MAX;
+
+/// Reads the newest window of each of `keys`, so that the walk that follows finds their
+/// lists in cache. As [`DedupSet::touch`]: a short loop with no branch on what it reads,
+/// in which the CPU keeps many keys' cache misses in flight at once, where the walk,
+/// branching on each window, waited for each. Returns a value of what was read, for the
+/// caller to hand to [`std::hint::black_box`].
+#[inline]
+fn touch_windows(key_windows: &[Vec<Window>], keys: impl Iterator<Item = u32>) -> i64 {
+    keys.fold(0, |seen, key| {
+        seen ^ key_windows[key as usize].last().map_or(0, |w| w.start)
+    })
+}
+
+/// Reads the first accumulator slot of the newest pane of each of `keys` (the pane an
+/// early emission of an open window merges), as [`touch_windows`] does.
+#[inline]
+fn touch_panes(
+    key_panes: &[Vec<Pane>],
+    slab: &[i64],
+    stride: usize,
+    keys: impl Iterator<Item = u32>,
+) -> i64 {
+    keys.fold(0, |seen, key| {
+        seen ^ key_panes[key as usize]
+            .last()
+            .map_or(0, |p| slab[p.slab as usize * stride])
+    })
+}
+
+/// Reads the first and last accumulator slot at each of `slabs` (a pane's slab slot;
+/// [`NO_SLAB`] reads nothing), as [`touch_windows`] does.
+#[inline]
+fn touch_slab(slab: &[i64], stride: usize, slabs: impl Iterator<Item = u32>) -> i64 {
+    slabs.fold(0, |seen, s| {
+        let base = s as usize * stride;
+        seen ^ slab.get(base).copied().unwrap_or(0)
+            ^ slab.get(base + stride - 1).copied().unwrap_or(0)
+    })
+}
 
 /// How one aggregate takes a record.
 struct AggPlan<'a> {
@@ -383,7 +425,10 @@ pub struct WindowEngine {
     /// Per key, the end of the latest retired session: records before it are late, so a
     /// retired session is never recreated.
     pub(crate) session_frontier: FxHashMap<u32, i64>,
+    /// Session jobs' timers.
     pub(crate) timers: BTreeMap<i64, Vec<Timer>>,
+    /// Tumbling and sliding jobs' timers (one per window, derived from the windows).
+    pub(crate) window_timers: WindowTimers,
     pub(crate) dirty_panes: Vec<(u32, i64)>,
     /// Keys with an open window changed since the early trigger last fired (repeats
     /// allowed): the trigger walks each key's windows for the changed ones.
@@ -398,6 +443,8 @@ pub struct WindowEngine {
     /// Scratch for identity bytes and for an emission's accumulator.
     id_buf: Vec<u8>,
     acc_buf: Vec<i64>,
+    /// Scratch for the timers due at one time.
+    timer_buf: Vec<Timer>,
 }
 
 fn col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
@@ -479,6 +526,7 @@ impl WindowEngine {
             sessions: FxHashMap::default(),
             session_frontier: FxHashMap::default(),
             timers: BTreeMap::new(),
+            window_timers: WindowTimers::default(),
             dirty_panes: Vec::new(),
             early_keys: Vec::new(),
             correction_queue: Vec::new(),
@@ -489,6 +537,7 @@ impl WindowEngine {
             key_buf: String::new(),
             id_buf: Vec::new(),
             acc_buf: Vec::new(),
+            timer_buf: Vec::new(),
         }
     }
 
@@ -577,6 +626,7 @@ impl WindowEngine {
         pane_window_bounds(start_pane, self.pane_us, self.panes_per_window)
     }
 
+    /// Schedules a session's `timer` at `at`.
     fn schedule(&mut self, at: i64, timer: Timer) {
         self.timers.entry(at).or_default().push(timer);
     }
@@ -817,37 +867,46 @@ impl WindowEngine {
         if !self.is_session() {
             self.find_newest_panes(&mut routed, cols.time);
         }
-        for r in routed {
-            let (row, key_id, wm) = (r.row as usize, r.key, r.wm);
-            let t = cols.time.value(row);
-            if r.slab != NO_SLAB {
-                let base = r.slab as usize * layout.stride;
-                apply(
-                    &plan,
-                    &mut self.slab[base..base + layout.stride],
-                    t,
-                    r.type_ix,
-                    row,
-                );
-                outcome.counted += 1;
-                continue;
-            }
-            // The record's contribution.
-            delta.copy_from_slice(&self.empty_acc);
-            apply(&plan, &mut delta, t, r.type_ix, row);
-            let accepted = if self.is_session() {
-                self.add_to_session(key_id, t, &delta, wm)
-            } else {
-                self.add_to_pane(key_id, t, &delta, wm)
-            };
-            if accepted {
-                outcome.counted += 1;
-            } else {
-                outcome.late.push(LateRecord {
-                    row: row as u32,
-                    reason: LateReason::BeyondAllowedLateness,
-                    watermark: wm,
-                });
+        // The accumulators of a chunk of records whose pane was found are read ahead (see
+        // `touch_slab`), then applied from cache.
+        for chunk in routed.chunks(READ_AHEAD) {
+            std::hint::black_box(touch_slab(
+                &self.slab,
+                layout.stride,
+                chunk.iter().map(|r| r.slab),
+            ));
+            for &r in chunk {
+                let (row, key_id, wm) = (r.row as usize, r.key, r.wm);
+                let t = cols.time.value(row);
+                if r.slab != NO_SLAB {
+                    let base = r.slab as usize * layout.stride;
+                    apply(
+                        &plan,
+                        &mut self.slab[base..base + layout.stride],
+                        t,
+                        r.type_ix,
+                        row,
+                    );
+                    outcome.counted += 1;
+                    continue;
+                }
+                // The record's contribution.
+                delta.copy_from_slice(&self.empty_acc);
+                apply(&plan, &mut delta, t, r.type_ix, row);
+                let accepted = if self.is_session() {
+                    self.add_to_session(key_id, t, &delta, wm)
+                } else {
+                    self.add_to_pane(key_id, t, &delta, wm)
+                };
+                if accepted {
+                    outcome.counted += 1;
+                } else {
+                    outcome.late.push(LateRecord {
+                        row: row as u32,
+                        reason: LateReason::BeyondAllowedLateness,
+                        watermark: wm,
+                    });
+                }
             }
         }
         // Late records in row order, as one pass would have found them.
@@ -964,11 +1023,14 @@ impl WindowEngine {
                     } else {
                         (end, TimerKind::OnTime)
                     };
-                    self.timers.entry(at).or_default().push(Timer {
-                        key,
-                        start: w,
-                        kind,
-                    });
+                    self.window_timers.push(
+                        at,
+                        Timer {
+                            key,
+                            start: w,
+                            kind,
+                        },
+                    );
                 }
             }
         }
@@ -1090,23 +1152,30 @@ impl WindowEngine {
         if !dirty.is_empty() {
             self.pane_dirty.fill(false);
         }
-        for (key, pane) in dirty {
-            let windows = &mut self.key_windows[key as usize];
-            let first = pane.saturating_sub(self.panes_per_window - 1);
-            let from = windows.partition_point(|w| w.start < first);
-            let mut open = false;
-            for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
-                if !w.meta.dirty {
-                    w.meta.dirty = true;
-                    if w.meta.closed {
-                        self.correction_queue.push((key, w.start));
-                    } else {
-                        open = true;
+        // Each key's window list is read ahead a chunk at a time (see `touch_windows`).
+        for chunk in dirty.chunks(READ_AHEAD) {
+            std::hint::black_box(touch_windows(
+                &self.key_windows,
+                chunk.iter().map(|(key, _)| *key),
+            ));
+            for &(key, pane) in chunk {
+                let windows = &mut self.key_windows[key as usize];
+                let first = pane.saturating_sub(self.panes_per_window - 1);
+                let from = windows.partition_point(|w| w.start < first);
+                let mut open = false;
+                for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
+                    if !w.meta.dirty {
+                        w.meta.dirty = true;
+                        if w.meta.closed {
+                            self.correction_queue.push((key, w.start));
+                        } else {
+                            open = true;
+                        }
                     }
                 }
-            }
-            if open {
-                self.early_keys.push(key);
+                if open {
+                    self.early_keys.push(key);
+                }
             }
         }
         // 2. Timers up to the watermark, in time order (room made for all first). At the
@@ -1114,18 +1183,36 @@ impl WindowEngine {
         if wm == i64::MAX && !self.is_session() {
             self.end_windows(wm, proc_time_us, &mut out);
         }
-        out.reserve(self.timers.range(..=wm).map(|(_, t)| t.len()).sum());
-        while let Some(entry) = self.timers.first_entry() {
-            if *entry.key() > wm {
-                break;
+        out.reserve(
+            self.timers
+                .range(..=wm)
+                .map(|(_, t)| t.len())
+                .sum::<usize>()
+                + self.window_timers.due(wm),
+        );
+        if self.is_session() {
+            while let Some(entry) = self.timers.first_entry() {
+                if *entry.key() > wm {
+                    break;
+                }
+                let (at, mut timers) = entry.remove_entry();
+                // A canonical order (key, window, kind), not the order of scheduling (as
+                // `WindowTimers::pop_due`).
+                timers.sort_unstable_by_key(|t| {
+                    (t.key, t.start, matches!(t.kind, TimerKind::Retire))
+                });
+                for timer in timers {
+                    self.run_timer(at, timer, wm, proc_time_us, &mut out);
+                }
             }
-            let (at, mut timers) = entry.remove_entry();
-            // A canonical order (key, window, kind), not the order of scheduling: a
-            // restored engine, which rebuilds its timers from its windows, fires alike.
-            timers.sort_unstable_by_key(|t| (t.key, t.start, matches!(t.kind, TimerKind::Retire)));
-            for timer in timers {
-                self.run_timer(at, timer, wm, proc_time_us, &mut out);
+        } else {
+            let mut due = std::mem::take(&mut self.timer_buf);
+            while let Some(at) = self.window_timers.pop_due(wm, &mut due) {
+                for &timer in &due {
+                    self.run_timer(at, timer, wm, proc_time_us, &mut out);
+                }
             }
+            self.timer_buf = due;
         }
         // 3. Corrections of closed windows. This queue and the early one are emitted by key
         // id, so an emission walks the per-key state in memory order instead of jumping
@@ -1164,8 +1251,19 @@ impl WindowEngine {
                     })
                     .sum();
                 out.reserve(due);
-                for &key in &early {
-                    self.emit_early(key, wm, proc_time_us, &mut out);
+                for chunk in early.chunks(READ_AHEAD) {
+                    std::hint::black_box(
+                        touch_windows(&self.key_windows, chunk.iter().copied())
+                            ^ touch_panes(
+                                &self.key_panes,
+                                &self.slab,
+                                self.layout.stride,
+                                chunk.iter().copied(),
+                            ),
+                    );
+                    for &key in chunk {
+                        self.emit_early(key, wm, proc_time_us, &mut out);
+                    }
                 }
                 early.clear();
                 self.early_keys = early;
@@ -1238,7 +1336,7 @@ impl WindowEngine {
                 }
                 self.emit(key, start, Completeness::OnTime, wm, now, out);
                 let (_, end) = self.window_bounds(start);
-                self.schedule(
+                self.window_timers.push(
                     end.saturating_add(self.lateness_us),
                     Timer {
                         key,
@@ -1285,7 +1383,7 @@ impl WindowEngine {
         self.slab.clear();
         self.pane_dirty.clear();
         self.free.clear();
-        self.timers.clear();
+        self.window_timers.clear();
         self.correction_queue.clear();
         self.early_keys.clear();
     }

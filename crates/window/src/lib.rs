@@ -23,6 +23,7 @@ mod keys;
 mod output;
 mod spec;
 mod state;
+mod timers;
 mod watermark;
 
 pub use engine::{DEFAULT_KEY_GROUPS, EngineConfig, WindowEngine};

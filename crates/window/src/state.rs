@@ -429,9 +429,10 @@ impl WindowEngine {
         }
         // Windows and timers on one thread, panes and dedup identities on another
         // (disjoint fields).
-        let (key_panes, key_windows, timers_map, dedup_map) = (
+        let (key_panes, key_windows, window_timers, timers_map, dedup_map) = (
             &mut self.key_panes,
             &mut self.key_windows,
+            &mut self.window_timers,
             &mut self.timers,
             &mut self.dedup,
         );
@@ -460,32 +461,21 @@ impl WindowEngine {
                         } else {
                             (end, TimerKind::OnTime)
                         };
-                        timers_map
-                            .entry(at)
-                            .or_default()
-                            .push(Timer { key, start, kind });
+                        window_timers.push(at, Timer { key, start, kind });
                     }
                     key_windows[key as usize] = list;
                 }
-                // Session timers come in firing order: one map entry per distinct time.
-                let mut i = 0;
-                while i < timer_at.len() {
-                    let at = timer_at[i];
-                    let list = timers_map.entry(at).or_default();
-                    while i < timer_at.len() && timer_at[i] == at {
-                        if let Some(key) = id(timer_keys[i]) {
-                            let kind = if timer_kinds[i] == 0 {
-                                TimerKind::OnTime
-                            } else {
-                                TimerKind::Retire
-                            };
-                            list.push(Timer {
-                                key,
-                                start: timer_starts[i],
-                                kind,
-                            });
-                        }
-                        i += 1;
+                // Session timers, in firing order.
+                for i in 0..timer_at.len() {
+                    if let Some(key) = id(timer_keys[i]) {
+                        let kind = if timer_kinds[i] == 0 {
+                            TimerKind::OnTime
+                        } else {
+                            TimerKind::Retire
+                        };
+                        let start = timer_starts[i];
+                        let timer = Timer { key, start, kind };
+                        timers_map.entry(timer_at[i]).or_default().push(timer);
                     }
                 }
             });
@@ -556,8 +546,11 @@ impl WindowEngine {
             + panes * (std::mem::size_of::<Pane>() + stride_bytes + 1)
             + self.free.len() * (stride_bytes + 1);
         let window_bytes = windows * std::mem::size_of::<Window>();
-        let timers: usize = self.timers.values().map(Vec::len).sum();
-        let timer_bytes = timers * std::mem::size_of::<Timer>() + self.timers.len() * 48;
+        let session_timers: usize = self.timers.values().map(Vec::len).sum();
+        let timers = session_timers + self.window_timers.len();
+        let timer_bytes = session_timers * std::mem::size_of::<Timer>()
+            + self.timers.len() * 48
+            + self.window_timers.heap_bytes();
         let session_count: usize = self.sessions.values().map(BTreeMap::len).sum();
         let session_bytes =
             session_count * (8 + 16 + 24 + stride_bytes + 16) + self.sessions.len() * 40;
