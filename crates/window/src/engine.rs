@@ -367,6 +367,15 @@ pub(crate) struct Timer {
     pub kind: TimerKind,
 }
 
+impl Timer {
+    /// The canonical order of the timers due at one time: (key, window, kind), not the
+    /// order of scheduling, so that a restored engine, which schedules its timers anew,
+    /// fires alike.
+    pub fn firing_order(&self) -> (u32, i64, bool) {
+        (self.key, self.start, matches!(self.kind, TimerKind::Retire))
+    }
+}
+
 /// Column positions of a batch, resolved once per batch.
 struct Columns<'a> {
     keys: Vec<&'a StringArray>,
@@ -1196,11 +1205,7 @@ impl WindowEngine {
                     break;
                 }
                 let (at, mut timers) = entry.remove_entry();
-                // A canonical order (key, window, kind), not the order of scheduling (as
-                // `WindowTimers::pop_due`).
-                timers.sort_unstable_by_key(|t| {
-                    (t.key, t.start, matches!(t.kind, TimerKind::Retire))
-                });
+                timers.sort_unstable_by_key(Timer::firing_order);
                 for timer in timers {
                     self.run_timer(at, timer, wm, proc_time_us, &mut out);
                 }

@@ -69,9 +69,7 @@ impl WindowTimers {
     }
 
     /// Removes the timers of the earliest time, if it is at or before `wm`: returns the
-    /// time, and sets `out` to its timers in a canonical order (key, window, kind), not the
-    /// order of scheduling, so that a restored engine, which schedules its timers anew,
-    /// fires alike.
+    /// time, and sets `out` to its timers in [`Timer::firing_order`].
     #[inline]
     pub fn pop_due(&mut self, wm: i64, out: &mut Vec<Timer>) -> Option<i64> {
         out.clear();
@@ -86,7 +84,7 @@ impl WindowTimers {
             }));
         }
         self.len -= out.len();
-        out.sort_unstable_by_key(|t| (t.key, t.start, matches!(t.kind, TimerKind::Retire)));
+        out.sort_unstable_by_key(Timer::firing_order);
         Some(at)
     }
 
@@ -123,16 +121,14 @@ impl WindowTimers {
 
     /// Estimated heap bytes held: the timers, and per time its map entry.
     pub fn heap_bytes(&self) -> usize {
-        let runs: usize = self
-            .runs
+        self.runs
             .values()
             .map(|r| {
                 r.runs.capacity() * std::mem::size_of::<Run>()
                     + r.keys.capacity() * std::mem::size_of::<u32>()
                     + 64
             })
-            .sum();
-        runs
+            .sum()
     }
 }
 
@@ -166,7 +162,7 @@ mod tests {
         assert_eq!(timers.pop_due(59, &mut due), None);
         assert_eq!(timers.pop_due(60, &mut due), Some(60));
         let mut want: Vec<Timer> = pushed[..5].iter().map(|(_, t)| *t).collect();
-        want.sort_unstable_by_key(|t| (t.key, t.start, matches!(t.kind, TimerKind::Retire)));
+        want.sort_unstable_by_key(Timer::firing_order);
         assert_eq!(due, want);
         assert_eq!(
             due.iter().map(|t| (t.key, t.start)).collect::<Vec<_>>(),
