@@ -37,6 +37,7 @@ use crate::dedup::DedupSet;
 use crate::error::{Result, WindowError};
 use crate::keys::KeyTable;
 use crate::output::{BatchOutcome, Completeness, Emissions, LateReason, LateRecord, Version};
+use crate::panes::{AggWords, PaneSlab};
 use crate::spec::{AggregateFunction, JobSpec, WindowSpec, micros};
 use crate::timers::WindowTimers;
 use crate::watermark::Watermarks;
@@ -80,20 +81,20 @@ pub(crate) struct Layout {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SlotOp {
+pub(crate) enum SlotOp {
     Add,
     Min,
     Max,
 }
 
-const EVENTS: usize = 0;
-const FIRST: usize = 1;
-const LAST: usize = 2;
+pub(crate) const EVENTS: usize = 0;
+pub(crate) const FIRST: usize = 1;
+pub(crate) const LAST: usize = 2;
 /// The slots of an emission's `[first_event_time, last_event_time, events]`.
 const HEADER: [usize; 3] = [FIRST, LAST, EVENTS];
 
 impl Layout {
-    fn new(spec: &JobSpec) -> Self {
+    pub(crate) fn new(spec: &JobSpec) -> Self {
         let mut aggs = Vec::new();
         let mut ops = vec![SlotOp::Add, SlotOp::Min, SlotOp::Max];
         for a in &spec.aggregates {
@@ -126,17 +127,6 @@ impl Layout {
             }
         }
         v
-    }
-
-    /// Sets `acc` to `empty` merged with the accumulators (in `slab`) of `panes`.
-    #[inline]
-    fn merge_panes(&self, acc: &mut Vec<i64>, empty: &[i64], panes: &[Pane], slab: &[i64]) {
-        acc.clear();
-        acc.extend_from_slice(empty);
-        for pane in panes {
-            let base = pane.slab as usize * self.stride;
-            self.merge(acc, &slab[base..base + self.stride]);
-        }
     }
 
     /// Appends to `out` version `v`, whose accumulator is `acc`.
@@ -245,8 +235,10 @@ struct Routed {
     wm: i64,
     /// Its dedup identity, unless an identity column is null.
     identity: Option<u128>,
-    /// The slab slot of its pane, when found by the fast path (else [`NO_SLAB`]).
+    /// The slab slot of its pane, when found by the fast path (else [`NO_SLAB`]), and its
+    /// event time's offset in the pane.
     slab: u32,
+    offset: u32,
 }
 
 const NO_SLAB: u32 = u32::MAX;
@@ -273,43 +265,42 @@ fn touch_windows(key_windows: &[Vec<Window>], keys: impl Iterator<Item = u32>) -
 /// Reads the first accumulator slot of the newest pane of each of `keys` (the pane an
 /// early emission of an open window merges), as [`touch_windows`] does.
 #[inline]
-fn touch_panes(
-    key_panes: &[Vec<Pane>],
-    slab: &[i64],
-    stride: usize,
-    keys: impl Iterator<Item = u32>,
-) -> i64 {
+fn touch_panes(key_panes: &[Vec<Pane>], slab: &PaneSlab, keys: impl Iterator<Item = u32>) -> i64 {
     keys.fold(0, |seen, key| {
         seen ^ key_panes[key as usize]
             .last()
-            .map_or(0, |p| slab[p.slab as usize * stride])
+            .map_or(0, |p| i64::from(slab.touch(p.slab)))
     })
 }
 
-/// Reads the first and last accumulator slot at each of `slabs` (a pane's slab slot;
-/// [`NO_SLAB`] reads nothing), as [`touch_windows`] does.
+/// Reads the accumulator at each of `slabs` (a pane's slab slot; [`NO_SLAB`] reads
+/// nothing), as [`touch_windows`] does.
 #[inline]
-fn touch_slab(slab: &[i64], stride: usize, slabs: impl Iterator<Item = u32>) -> i64 {
-    slabs.fold(0, |seen, s| {
-        let base = s as usize * stride;
-        seen ^ slab.get(base).copied().unwrap_or(0)
-            ^ slab.get(base + stride - 1).copied().unwrap_or(0)
-    })
+fn touch_slab(slab: &PaneSlab, slabs: impl Iterator<Item = u32>) -> u32 {
+    slabs.fold(0, |seen, s| seen ^ slab.touch(s))
 }
 
 /// How one aggregate takes a record.
-struct AggPlan<'a> {
-    function: AggregateFunction,
-    slot: usize,
+pub(crate) struct AggPlan<'a> {
+    pub function: AggregateFunction,
+    /// Its slot in a wide accumulator, and its words in a pane's record.
+    pub slot: usize,
+    pub words: AggWords,
     /// The event type (index) it counts, when it counts one.
-    event_type: Option<usize>,
-    input: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
+    pub event_type: Option<usize>,
+    pub input: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
 }
 
 /// Merges record `row` (event time `t`, event type `type_ix`) into the accumulator `acc`
 /// in place: the same as merging the record's own accumulator into it.
 #[inline]
-fn apply(plan: &[AggPlan<'_>], acc: &mut [i64], t: i64, type_ix: Option<usize>, row: usize) {
+pub(crate) fn apply(
+    plan: &[AggPlan<'_>],
+    acc: &mut [i64],
+    t: i64,
+    type_ix: Option<usize>,
+    row: usize,
+) {
     acc[EVENTS] = acc[EVENTS].wrapping_add(1);
     acc[FIRST] = acc[FIRST].min(t);
     acc[LAST] = acc[LAST].max(t);
@@ -426,7 +417,8 @@ pub struct WindowEngine {
     pub(crate) key_windows: Vec<Vec<Window>>,
     /// Per key id, the last entry of its `key_panes` list ([`Pane::NONE`] when empty).
     pub(crate) newest: Vec<Pane>,
-    pub(crate) slab: Vec<i64>,
+    /// The panes' accumulators, by slab slot.
+    pub(crate) slab: PaneSlab,
     /// Per slab slot, whether its pane changed since the last fire.
     pub(crate) pane_dirty: Vec<bool>,
     pub(crate) free: Vec<u32>,
@@ -510,6 +502,7 @@ impl WindowEngine {
             WindowSpec::Session { .. } => (1, 1),
         };
         let layout = Arc::new(Layout::new(&spec));
+        let slab = PaneSlab::new(&layout, pane_us);
         Self {
             empty_acc: layout.empty(),
             layout,
@@ -529,7 +522,7 @@ impl WindowEngine {
             key_panes: Vec::new(),
             key_windows: Vec::new(),
             newest: Vec::new(),
-            slab: Vec::new(),
+            slab,
             pane_dirty: Vec::new(),
             free: Vec::new(),
             sessions: FxHashMap::default(),
@@ -805,6 +798,7 @@ impl WindowEngine {
                 wm,
                 identity,
                 slab: NO_SLAB,
+                offset: 0,
             });
         }
         // Keys of one column, in record order (ids are given in order of first sight), in a
@@ -869,6 +863,7 @@ impl WindowEngine {
             .map(|(i, (f, slot))| AggPlan {
                 function: *f,
                 slot: *slot,
+                words: self.slab.agg_words().get(i).copied().unwrap_or_default(),
                 event_type: agg_type[i].and(agg_type_ix[i]),
                 input: cols.agg_inputs[i],
             })
@@ -879,23 +874,12 @@ impl WindowEngine {
         // The accumulators of a chunk of records whose pane was found are read ahead (see
         // `touch_slab`), then applied from cache.
         for chunk in routed.chunks(READ_AHEAD) {
-            std::hint::black_box(touch_slab(
-                &self.slab,
-                layout.stride,
-                chunk.iter().map(|r| r.slab),
-            ));
+            std::hint::black_box(touch_slab(&self.slab, chunk.iter().map(|r| r.slab)));
             for &r in chunk {
                 let (row, key_id, wm) = (r.row as usize, r.key, r.wm);
                 let t = cols.time.value(row);
                 if r.slab != NO_SLAB {
-                    let base = r.slab as usize * layout.stride;
-                    apply(
-                        &plan,
-                        &mut self.slab[base..base + layout.stride],
-                        t,
-                        r.type_ix,
-                        row,
-                    );
+                    self.slab.apply(r.slab, t, r.offset, &plan, r.type_ix, row);
                     outcome.counted += 1;
                     continue;
                 }
@@ -951,7 +935,8 @@ impl WindowEngine {
         let (pane_us, per_window, lateness) =
             (self.pane_us, self.panes_per_window, self.lateness_us);
         for r in routed {
-            let pane = time.value(r.row as usize).div_euclid(pane_us);
+            let t = time.value(r.row as usize);
+            let pane = t.div_euclid(pane_us);
             let newest_end = pane_window_bounds(pane, pane_us, per_window).1;
             if r.wm >= newest_end.saturating_add(lateness) {
                 continue;
@@ -964,6 +949,7 @@ impl WindowEngine {
                     self.dirty_panes.push((r.key, pane));
                 }
                 r.slab = newest.slab;
+                r.offset = PaneSlab::offset(t, pane, pane_us);
             }
         }
     }
@@ -974,14 +960,11 @@ impl WindowEngine {
         if wm >= newest_end.saturating_add(self.lateness_us) {
             return false;
         }
-        let stride = self.layout.stride;
         let panes = &mut self.key_panes[key as usize];
         match seek(panes, pane, |p| p.start) {
             Ok(i) => {
+                self.slab.merge_wide(panes[i].slab, pane, delta);
                 let slab = panes[i].slab as usize;
-                let base = slab * stride;
-                self.layout
-                    .merge(&mut self.slab[base..base + stride], delta);
                 if !self.pane_dirty[slab] {
                     self.pane_dirty[slab] = true;
                     self.dirty_panes.push((key, pane));
@@ -990,13 +973,11 @@ impl WindowEngine {
             Err(i) => {
                 let slab = match self.free.pop() {
                     Some(s) => {
-                        let base = s as usize * stride;
-                        self.slab[base..base + stride].copy_from_slice(delta);
+                        self.slab.write(s, pane, delta);
                         s
                     }
                     None => {
-                        let s = (self.slab.len() / stride) as u32;
-                        self.slab.extend_from_slice(delta);
+                        let s = self.slab.push(pane, delta);
                         self.pane_dirty.push(false);
                         s
                     }
@@ -1259,12 +1240,7 @@ impl WindowEngine {
                 for chunk in early.chunks(READ_AHEAD) {
                     std::hint::black_box(
                         touch_windows(&self.key_windows, chunk.iter().copied())
-                            ^ touch_panes(
-                                &self.key_panes,
-                                &self.slab,
-                                self.layout.stride,
-                                chunk.iter().copied(),
-                            ),
+                            ^ touch_panes(&self.key_panes, &self.slab, chunk.iter().copied()),
                     );
                     for &key in chunk {
                         self.emit_early(key, wm, proc_time_us, &mut out);
@@ -1372,8 +1348,7 @@ impl WindowEngine {
                 };
                 let (first, to) = covered(&panes, from, w.start, self.panes_per_window);
                 from = first;
-                self.layout
-                    .merge_panes(&mut acc, &self.empty_acc, &panes[from..to], &self.slab);
+                self.slab.merge_panes(&mut acc, &panes[from..to]);
                 if acc[EVENTS] != 0 {
                     let window = pane_window_bounds(w.start, self.pane_us, self.panes_per_window);
                     let name = self.keys.name(key as u32);
@@ -1406,6 +1381,7 @@ impl WindowEngine {
         let panes = &mut self.key_panes[key as usize];
         if let Ok(i) = seek(panes, start, |p| p.start) {
             let slab = panes.remove(i).slab;
+            self.slab.release(slab);
             self.pane_dirty[slab as usize] = false;
             self.free.push(slab);
             self.newest[key as usize] = Pane::newest(panes);
@@ -1447,8 +1423,7 @@ impl WindowEngine {
             let (first, to) = covered(panes, from, w.start, self.panes_per_window);
             from = first;
             if merged != Some((from, to)) {
-                self.layout
-                    .merge_panes(&mut acc, &self.empty_acc, &panes[from..to], &self.slab);
+                self.slab.merge_panes(&mut acc, &panes[from..to]);
                 merged = Some((from, to));
             }
             if acc[EVENTS] != 0 {
@@ -1514,12 +1489,7 @@ impl WindowEngine {
                 Ok(i) if due(&mut windows[i].meta, completeness) => {
                     let panes = &self.key_panes[key as usize];
                     let (from, to) = covered(panes, 0, start, self.panes_per_window);
-                    self.layout.merge_panes(
-                        &mut acc,
-                        &self.empty_acc,
-                        &panes[from..to],
-                        &self.slab,
-                    );
+                    self.slab.merge_panes(&mut acc, &panes[from..to]);
                     Some((&mut windows[i].meta, bounds))
                 }
                 _ => None,

@@ -21,6 +21,7 @@ mod engine;
 mod error;
 mod keys;
 mod output;
+mod panes;
 mod spec;
 mod state;
 mod timers;

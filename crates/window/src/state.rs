@@ -210,9 +210,8 @@ impl WindowEngine {
                     })
                     .collect();
                 let mut slab = Vec::with_capacity(panes.len() * stride * 8);
-                for (_, _, at, _) in &panes {
-                    let base = *at as usize * stride;
-                    for v in &self.slab[base..base + stride] {
+                for (_, start, at, _) in &panes {
+                    for v in self.slab.read(*at, *start) {
                         slab.extend_from_slice(&v.to_le_bytes());
                     }
                 }
@@ -382,6 +381,14 @@ impl WindowEngine {
                 "corrupt window state: panes in the state of a session job".into(),
             ));
         }
+        if !(0..panes).all(|i| {
+            self.slab
+                .fits(pane_starts[i], &slab[i * stride..(i + 1) * stride])
+        }) {
+            return Err(bad(
+                "corrupt window state: a pane's event times lie outside the pane".into(),
+            ));
+        }
         if !state.sessions.iter().all(|(_, _, s)| s.acc.len() == stride) {
             return Err(bad(
                 "state accumulators do not match the job's aggregates".into()
@@ -394,7 +401,7 @@ impl WindowEngine {
         self.keys
             .reserve(n_keys, state.key_names.iter().map(String::len).sum());
         self.key_group.reserve(n_keys);
-        self.slab.reserve(panes * stride);
+        self.slab.reserve(panes);
         self.dedup.reserve(dedups);
         let mut ids = Vec::with_capacity(n_keys);
         for name in state.key_names {
@@ -410,8 +417,10 @@ impl WindowEngine {
             self.newest.resize(self.keys.len(), Pane::NONE);
         }
         let id = |k: u32| ids.get(k as usize).copied();
-        let first_slab = (self.slab.len() / stride) as u32;
-        self.slab.extend_from_slice(&slab);
+        let first_slab = self.slab.len() as u32;
+        for (i, acc) in slab.chunks_exact(stride).enumerate() {
+            self.slab.push(pane_starts[i], acc);
+        }
         self.pane_dirty.extend(pane_dirty.iter().map(|d| *d != 0));
         let lateness = self.lateness_us;
         let (pane_us, panes_per_window) = (self.pane_us, self.panes_per_window);
@@ -534,6 +543,7 @@ impl WindowEngine {
     /// The state held now.
     pub fn state_size(&self) -> StateSize {
         let stride_bytes = self.layout.stride * 8;
+        let record_bytes = self.slab.record_bytes();
         // Per key: its key group, and its entry and bytes in the key table.
         let key_bytes = self.key_group.capacity() * 2 + self.keys.heap_bytes();
         let panes: usize = self.key_panes.iter().map(Vec::len).sum();
@@ -543,8 +553,9 @@ impl WindowEngine {
         // Per key, its newest pane again; per pane, its changed flag.
         let pane_bytes = list_bytes
             + self.newest.len() * std::mem::size_of::<Pane>()
-            + panes * (std::mem::size_of::<Pane>() + stride_bytes + 1)
-            + self.free.len() * (stride_bytes + 1);
+            + panes * (std::mem::size_of::<Pane>() + record_bytes + 1)
+            + self.free.len() * (record_bytes + 1)
+            + self.slab.carry_bytes();
         let window_bytes = windows * std::mem::size_of::<Window>();
         let session_timers: usize = self.timers.values().map(Vec::len).sum();
         let timers = session_timers + self.window_timers.len();
@@ -627,17 +638,15 @@ mod tests {
             WindowEngine::restore(Arc::clone(&engine.spec), engine.config.clone(), &bytes).unwrap();
         // Slab slots are renumbered; starts, flags and accumulators are kept.
         let panes = |e: &WindowEngine| -> Vec<Vec<(i64, bool, Vec<i64>)>> {
-            let stride = e.layout.stride;
             e.key_panes
                 .iter()
                 .map(|list| {
                     list.iter()
                         .map(|p| {
-                            let base = p.slab as usize * stride;
                             (
                                 p.start,
                                 e.pane_dirty[p.slab as usize],
-                                e.slab[base..base + stride].to_vec(),
+                                e.slab.read(p.slab, p.start),
                             )
                         })
                         .collect()
