@@ -32,6 +32,7 @@ use arrow::datatypes::{DataType, Int64Type, TimestampMicrosecondType};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
+use smallvec::SmallVec;
 
 use crate::dedup::DedupSet;
 use crate::error::{Result, WindowError};
@@ -174,11 +175,20 @@ impl Pane {
     };
 
     /// The newest of a key's `panes`: the one nearly every record of an active key goes
-    /// to, mirrored apart from the key's list so a record finds it with one read.
+    /// to.
+    #[inline]
     pub fn newest(panes: &[Pane]) -> Self {
         panes.last().copied().unwrap_or(Self::NONE)
     }
 }
+
+/// A key's panes, sorted by start: two of them (a tumbling job's open window and the one
+/// before it, held for its lateness) in place, in the key's entry, so the newest is found
+/// with one read and a key costs no allocation; more on the heap.
+pub(crate) type PaneList = SmallVec<[Pane; 2]>;
+
+/// A key's tumbling or sliding windows, sorted by start, two in place as [`PaneList`].
+pub(crate) type WindowList = SmallVec<[Window; 2]>;
 
 /// A tumbling or sliding window of one key: its start (pane index) and its bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,7 +266,7 @@ const NO_KEY: u32 = u32::MAX;
 /// branching on each window, waited for each. Returns a value of what was read, for the
 /// caller to hand to [`std::hint::black_box`].
 #[inline]
-fn touch_windows(key_windows: &[Vec<Window>], keys: impl Iterator<Item = u32>) -> i64 {
+fn touch_windows(key_windows: &[WindowList], keys: impl Iterator<Item = u32>) -> i64 {
     keys.fold(0, |seen, key| {
         seen ^ key_windows[key as usize].last().map_or(0, |w| w.start)
     })
@@ -265,7 +275,7 @@ fn touch_windows(key_windows: &[Vec<Window>], keys: impl Iterator<Item = u32>) -
 /// Reads the first accumulator slot of the newest pane of each of `keys` (the pane an
 /// early emission of an open window merges), as [`touch_windows`] does.
 #[inline]
-fn touch_panes(key_panes: &[Vec<Pane>], slab: &PaneSlab, keys: impl Iterator<Item = u32>) -> i64 {
+fn touch_panes(key_panes: &[PaneList], slab: &PaneSlab, keys: impl Iterator<Item = u32>) -> i64 {
     keys.fold(0, |seen, key| {
         seen ^ key_panes[key as usize]
             .last()
@@ -413,10 +423,8 @@ pub struct WindowEngine {
     /// Tumbling and sliding windows: per key id, its panes and its windows, each sorted by
     /// start (dense by key id, so a record or an emission finds its key's state with one
     /// index and its panes side by side; empty for session jobs).
-    pub(crate) key_panes: Vec<Vec<Pane>>,
-    pub(crate) key_windows: Vec<Vec<Window>>,
-    /// Per key id, the last entry of its `key_panes` list ([`Pane::NONE`] when empty).
-    pub(crate) newest: Vec<Pane>,
+    pub(crate) key_panes: Vec<PaneList>,
+    pub(crate) key_windows: Vec<WindowList>,
     /// The panes' accumulators, by slab slot.
     pub(crate) slab: PaneSlab,
     /// Per slab slot, whether its pane changed since the last fire.
@@ -521,7 +529,6 @@ impl WindowEngine {
             key_group: Vec::new(),
             key_panes: Vec::new(),
             key_windows: Vec::new(),
-            newest: Vec::new(),
             slab,
             pane_dirty: Vec::new(),
             free: Vec::new(),
@@ -613,9 +620,8 @@ impl WindowEngine {
         let kg = self.key_group_of(key);
         self.key_group.push(kg);
         if !self.is_session() {
-            self.key_panes.push(Vec::new());
-            self.key_windows.push(Vec::new());
-            self.newest.push(Pane::NONE);
+            self.key_panes.push(PaneList::new());
+            self.key_windows.push(WindowList::new());
         }
         id
     }
@@ -941,7 +947,7 @@ impl WindowEngine {
             if r.wm >= newest_end.saturating_add(lateness) {
                 continue;
             }
-            let newest = self.newest[r.key as usize];
+            let newest = Pane::newest(&self.key_panes[r.key as usize]);
             if newest.slab != NO_SLAB && newest.start == pane {
                 let dirty = &mut self.pane_dirty[newest.slab as usize];
                 if !*dirty {
@@ -983,7 +989,6 @@ impl WindowEngine {
                     }
                 };
                 panes.insert(i, Pane { start: pane, slab });
-                self.newest[key as usize] = Pane::newest(panes);
                 self.pane_dirty[slab as usize] = true;
                 self.dirty_panes.push((key, pane));
                 let windows = &mut self.key_windows[key as usize];
@@ -1335,7 +1340,7 @@ impl WindowEngine {
     /// correction it awaits) and retires with its panes. A walk over each key's windows
     /// and panes, instead of two timer runs per window, each finding the window again.
     fn end_windows(&mut self, wm: i64, now: i64, out: &mut Emissions) {
-        out.reserve(self.key_windows.iter().map(Vec::len).sum());
+        out.reserve(self.key_windows.iter().map(|l| l.len()).sum());
         let mut acc = std::mem::take(&mut self.acc_buf);
         for (key, windows) in self.key_windows.iter_mut().enumerate() {
             let panes = std::mem::take(&mut self.key_panes[key]);
@@ -1359,7 +1364,6 @@ impl WindowEngine {
             }
         }
         self.acc_buf = acc;
-        self.newest.fill(Pane::NONE);
         self.slab.clear();
         self.pane_dirty.clear();
         self.free.clear();
@@ -1384,7 +1388,6 @@ impl WindowEngine {
             self.slab.release(slab);
             self.pane_dirty[slab as usize] = false;
             self.free.push(slab);
-            self.newest[key as usize] = Pane::newest(panes);
         }
     }
 

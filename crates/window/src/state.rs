@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, Pane, Session, Timer, TimerKind, Window, WindowEngine, WindowMeta,
-    pane_window_bounds,
+    EngineConfig, Pane, PaneList, Session, Timer, TimerKind, Window, WindowEngine, WindowList,
+    WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -412,9 +412,9 @@ impl WindowEngine {
         }
         let pane_job = !self.is_session();
         if pane_job {
-            self.key_panes.resize_with(self.keys.len(), Vec::new);
-            self.key_windows.resize_with(self.keys.len(), Vec::new);
-            self.newest.resize(self.keys.len(), Pane::NONE);
+            self.key_panes.resize_with(self.keys.len(), PaneList::new);
+            self.key_windows
+                .resize_with(self.keys.len(), WindowList::new);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = self.slab.len() as u32;
@@ -451,7 +451,7 @@ impl WindowEngine {
                     let Some(key) = id(window_keys[run.start]) else {
                         continue;
                     };
-                    let mut list = Vec::with_capacity(run.len());
+                    let mut list = WindowList::with_capacity(run.len());
                     for i in run {
                         let start = window_starts[i];
                         let closed = window_flags[i] & 1 != 0;
@@ -506,11 +506,6 @@ impl WindowEngine {
                 .join()
                 .unwrap_or_else(|e| std::panic::resume_unwind(e));
         });
-        if pane_job {
-            for key in &ids {
-                self.newest[*key as usize] = Pane::newest(&self.key_panes[*key as usize]);
-            }
-        }
         for (k, start, session) in state.sessions {
             if let Some(key) = id(k) {
                 self.sessions.entry(key).or_default().insert(start, session);
@@ -546,17 +541,28 @@ impl WindowEngine {
         let record_bytes = self.slab.record_bytes();
         // Per key: its key group, and its entry and bytes in the key table.
         let key_bytes = self.key_group.capacity() * 2 + self.keys.heap_bytes();
-        let panes: usize = self.key_panes.iter().map(Vec::len).sum();
-        let windows: usize = self.key_windows.iter().map(Vec::len).sum();
-        // Two lists per key; a pane or window entry is 16 bytes.
-        let list_bytes = self.key_panes.len() * 2 * std::mem::size_of::<Vec<Pane>>();
-        // Per key, its newest pane again; per pane, its changed flag.
+        let panes: usize = self.key_panes.iter().map(|l| l.len()).sum();
+        let windows: usize = self.key_windows.iter().map(|l| l.len()).sum();
+        // Two lists per key, each holding two entries in place; the entries of a longer
+        // list are on the heap (16 bytes each).
+        let spilled = |len: usize, in_place: bool| if in_place { 0 } else { len * 16 };
+        let list_bytes = self.key_panes.len()
+            * (std::mem::size_of::<PaneList>() + std::mem::size_of::<WindowList>())
+            + self
+                .key_panes
+                .iter()
+                .map(|l| spilled(l.len(), !l.spilled()))
+                .sum::<usize>()
+            + self
+                .key_windows
+                .iter()
+                .map(|l| spilled(l.len(), !l.spilled()))
+                .sum::<usize>();
+        // Per pane, its record and its changed flag.
         let pane_bytes = list_bytes
-            + self.newest.len() * std::mem::size_of::<Pane>()
-            + panes * (std::mem::size_of::<Pane>() + record_bytes + 1)
+            + panes * (record_bytes + 1)
             + self.free.len() * (record_bytes + 1)
             + self.slab.carry_bytes();
-        let window_bytes = windows * std::mem::size_of::<Window>();
         let session_timers: usize = self.timers.values().map(Vec::len).sum();
         let timers = session_timers + self.window_timers.len();
         let timer_bytes = session_timers * std::mem::size_of::<Timer>()
@@ -571,7 +577,7 @@ impl WindowEngine {
             panes,
             timers,
             dedup_identities: self.dedup.len(),
-            window_state_bytes: key_bytes + pane_bytes + window_bytes + timer_bytes + session_bytes,
+            window_state_bytes: key_bytes + pane_bytes + timer_bytes + session_bytes,
             dedup_bytes: self.dedup.heap_bytes(),
         }
     }
