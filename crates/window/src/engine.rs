@@ -160,8 +160,11 @@ pub(crate) struct WindowMeta {
 }
 
 /// A pane of one key: its start (pane index) and its accumulator slot range in the slab
-/// (whether it changed since the last fire is `WindowEngine::pane_dirty[slab]`).
+/// (whether it changed since the last fire is `WindowEngine::pane_dirty[slab]`). Twelve
+/// bytes, not sixteen (no padding after `slab`), so that a key's two panes in place and
+/// their list take 32 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C, packed(4))]
 pub(crate) struct Pane {
     pub start: i64,
     pub slab: u32,

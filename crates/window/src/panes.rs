@@ -69,6 +69,12 @@ pub(crate) struct PaneSlab {
     pane_us: i64,
     /// Per accumulator slot of the layout.
     lanes: Vec<Lane>,
+    /// The lanes again, by kind, as (slot, word): wide sums, minima and maxima (the first
+    /// and last event time among them when wide), and counters.
+    adds: Vec<(usize, usize)>,
+    mins: Vec<(usize, usize)>,
+    maxes: Vec<(usize, usize)>,
+    counts: Vec<(usize, usize)>,
     aggs: Vec<AggWords>,
     events: usize,
     /// The first and last event time as one-word offsets (else as wide lanes).
@@ -186,7 +192,31 @@ impl PaneSlab {
             })
             .collect();
         let empty_wide = layout.empty();
+        let of_kind = |pick: &dyn Fn(Lane) -> Option<usize>| -> Vec<(usize, usize)> {
+            lanes
+                .iter()
+                .enumerate()
+                .filter_map(|(slot, lane)| pick(*lane).map(|word| (slot, word)))
+                .collect()
+        };
+        let wide = |op: SlotOp| {
+            move |lane: Lane| match lane {
+                Lane::Wide { word, op: o } if o == op => Some(word),
+                _ => None,
+            }
+        };
+        let adds = of_kind(&wide(SlotOp::Add));
+        let mins = of_kind(&wide(SlotOp::Min));
+        let maxes = of_kind(&wide(SlotOp::Max));
+        let counts = of_kind(&|lane| match lane {
+            Lane::Count { word } => Some(word),
+            _ => None,
+        });
         let mut slab = Self {
+            adds,
+            mins,
+            maxes,
+            counts,
             lines: Vec::new(),
             len: 0,
             pane_us,
@@ -362,34 +392,36 @@ impl PaneSlab {
     /// Merges record `slot` (of the pane starting at `start`) into the wide `acc`.
     #[inline]
     pub fn merge_into(&self, acc: &mut [i64], slot: u32, start: i64) {
-        let base = self.base(start);
         let rec = self.record(slot);
-        for (lane, a) in self.lanes.iter().zip(acc.iter_mut()) {
-            match *lane {
-                Lane::Wide { word, op } => {
-                    let v = get_wide(rec, word);
-                    *a = match op {
-                        SlotOp::Add => a.wrapping_add(v),
-                        SlotOp::Min => (*a).min(v),
-                        SlotOp::Max => (*a).max(v),
-                    };
-                }
-                Lane::Count { word } => {
-                    let mut v = i64::from(rec[word]);
-                    if !self.carries.is_empty() {
-                        v = v.wrapping_add(
-                            self.carries.get(&(slot, word as u32)).copied().unwrap_or(0),
-                        );
-                    }
-                    *a = a.wrapping_add(v);
-                }
-                Lane::First { word } if rec[word] != u32::MAX => {
-                    *a = (*a).min(base.wrapping_add(i64::from(rec[word])));
-                }
-                Lane::Last { word } if rec[word] != 0 => {
-                    *a = (*a).max(base.wrapping_add(i64::from(rec[word]) - 1));
-                }
-                Lane::First { .. } | Lane::Last { .. } => {}
+        // Lane by lane kind, each a loop without a branch on the kind.
+        for &(at, word) in &self.adds {
+            acc[at] = acc[at].wrapping_add(get_wide(rec, word));
+        }
+        for &(at, word) in &self.mins {
+            acc[at] = acc[at].min(get_wide(rec, word));
+        }
+        for &(at, word) in &self.maxes {
+            acc[at] = acc[at].max(get_wide(rec, word));
+        }
+        if self.carries.is_empty() {
+            for &(at, word) in &self.counts {
+                acc[at] = acc[at].wrapping_add(i64::from(rec[word]));
+            }
+        } else {
+            for &(at, word) in &self.counts {
+                let carried = self.carries.get(&(slot, word as u32)).copied();
+                let v = i64::from(rec[word]).wrapping_add(carried.unwrap_or(0));
+                acc[at] = acc[at].wrapping_add(v);
+            }
+        }
+        if self.narrow_times {
+            let base = self.base(start);
+            let (first, last) = (rec[self.first], rec[self.last]);
+            if first != u32::MAX {
+                acc[FIRST] = acc[FIRST].min(base.wrapping_add(i64::from(first)));
+            }
+            if last != 0 {
+                acc[LAST] = acc[LAST].max(base.wrapping_add(i64::from(last) - 1));
             }
         }
     }
@@ -526,6 +558,8 @@ mod tests {
 
     #[test]
     fn a_market_pane_takes_one_cache_line() {
+        // And a key's two panes in place take 32 bytes with their list.
+        assert_eq!(std::mem::size_of::<crate::engine::PaneList>(), 32);
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../jobs/market_aggregates.toml"

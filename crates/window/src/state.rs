@@ -544,19 +544,20 @@ impl WindowEngine {
         let panes: usize = self.key_panes.iter().map(|l| l.len()).sum();
         let windows: usize = self.key_windows.iter().map(|l| l.len()).sum();
         // Two lists per key, each holding two entries in place; the entries of a longer
-        // list are on the heap (16 bytes each).
-        let spilled = |len: usize, in_place: bool| if in_place { 0 } else { len * 16 };
+        // list are on the heap.
+        let spilled =
+            |len: usize, in_place: bool, size: usize| if in_place { 0 } else { len * size };
         let list_bytes = self.key_panes.len()
             * (std::mem::size_of::<PaneList>() + std::mem::size_of::<WindowList>())
             + self
                 .key_panes
                 .iter()
-                .map(|l| spilled(l.len(), !l.spilled()))
+                .map(|l| spilled(l.len(), !l.spilled(), std::mem::size_of::<Pane>()))
                 .sum::<usize>()
             + self
                 .key_windows
                 .iter()
-                .map(|l| spilled(l.len(), !l.spilled()))
+                .map(|l| spilled(l.len(), !l.spilled(), std::mem::size_of::<Window>()))
                 .sum::<usize>();
         // Per pane, its record and its changed flag.
         let pane_bytes = list_bytes
