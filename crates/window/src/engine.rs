@@ -72,6 +72,9 @@ impl Default for EngineConfig {
 }
 
 /// Accumulator slots of a window or pane: `[events, first, last, aggregate slots...]`.
+/// A count takes one slot; an average its sum and count; a sum, minimum or maximum its
+/// value and whether it saw one (0 or 1, merged by `max`: null when no record had a
+/// value).
 #[derive(Debug, Clone)]
 pub(crate) struct Layout {
     pub stride: usize,
@@ -102,11 +105,12 @@ impl Layout {
             aggs.push((a.function, ops.len()));
             match a.function {
                 AggregateFunction::Count => ops.push(SlotOp::Add),
-                AggregateFunction::Sum | AggregateFunction::Avg => {
-                    ops.extend([SlotOp::Add, SlotOp::Add])
-                }
-                AggregateFunction::Min => ops.extend([SlotOp::Min, SlotOp::Add]),
-                AggregateFunction::Max => ops.extend([SlotOp::Max, SlotOp::Add]),
+                // An average divides by its count; a sum, minimum or maximum only asks
+                // whether it saw a value (null over none), a flag (0 or 1).
+                AggregateFunction::Avg => ops.extend([SlotOp::Add, SlotOp::Add]),
+                AggregateFunction::Sum => ops.extend([SlotOp::Add, SlotOp::Max]),
+                AggregateFunction::Min => ops.extend([SlotOp::Min, SlotOp::Max]),
+                AggregateFunction::Max => ops.extend([SlotOp::Max, SlotOp::Max]),
             }
         }
         Self {
@@ -332,17 +336,21 @@ pub(crate) fn apply(
         };
         match a.function {
             AggregateFunction::Count => acc[s] = acc[s].wrapping_add(1),
-            AggregateFunction::Sum | AggregateFunction::Avg => {
+            AggregateFunction::Avg => {
                 acc[s] = acc[s].wrapping_add(value);
                 acc[s + 1] = acc[s + 1].wrapping_add(1);
             }
+            AggregateFunction::Sum => {
+                acc[s] = acc[s].wrapping_add(value);
+                acc[s + 1] = 1;
+            }
             AggregateFunction::Min => {
                 acc[s] = acc[s].min(value);
-                acc[s + 1] = acc[s + 1].wrapping_add(1);
+                acc[s + 1] = 1;
             }
             AggregateFunction::Max => {
                 acc[s] = acc[s].max(value);
-                acc[s + 1] = acc[s + 1].wrapping_add(1);
+                acc[s + 1] = 1;
             }
         }
     }

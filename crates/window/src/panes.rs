@@ -1,24 +1,23 @@
 //! [`PaneSlab`]: the accumulators of tumbling and sliding panes, packed into 32-bit words.
 //!
 //! A pane's accumulator ([`Layout`]) is a row of `i64` slots, but most of them are
-//! counters (events, counts, each aggregate's non-null count) and two are event times
-//! within the pane. In the slab a counter takes one word, and so do the first and last
-//! event time, as offsets from the pane's start, when a pane is at most `u32::MAX` µs
-//! (71 minutes) wide. Only sums, minima and maxima take two words. A market_aggregates
-//! pane takes 64 bytes (60 used) instead of 96.
+//! counters (events, counts, an average's count), flags (whether a sum, minimum or
+//! maximum saw a value) and two event times within the pane. In the slab a counter takes
+//! one word, a flag one bit of a shared word, and the first and last event time one word
+//! each, as offsets from the pane's start, when a pane is at most `u32::MAX` µs (71
+//! minutes) wide. A sum takes one word too, as an `i32`: the sums of one key's pane are
+//! small. Only minima and maxima take two words. A market_aggregates pane takes 40 bytes
+//! instead of 96.
 //!
 //! A record is addressed by its slot and its pane's start (pane index): event times are
 //! stored as offsets from the start's time, `start * pane_us` in wrapping arithmetic,
 //! which gives every time back exactly.
 //!
-//! Records are padded to 4, 8 or 16 words and the slab is made of 64-byte lines, so a
-//! record of up to 16 words lies within one cache line: a record's first update in a
-//! batch, which misses the cache, misses once.
-//!
-//! A counter that passes `u32::MAX` is not wrapped: what it carries is held apart, per
-//! record and word, and added back whenever the record is read. It takes four billion
-//! events in one pane of one key, so the map stays empty, and only its emptiness is
-//! checked on the way.
+//! A counter that passes `u32::MAX`, or a sum that passes the range of an `i32`, is not
+//! wrapped: what it carries is held apart, per record and word, and added back whenever
+//! the record is read. Few panes ever carry (a sum past two billion minor units in one
+//! pane of one key), so the map stays empty or small, and only its emptiness is checked
+//! on the way.
 //!
 //! Reads and writes go through the wide form, a `Layout` row, so the rest of the engine
 //! (emissions, snapshots, sessions) keeps one accumulator format.
@@ -30,7 +29,7 @@ use rustc_hash::FxHashMap;
 use crate::engine::{AggPlan, EVENTS, FIRST, LAST, Layout, Pane, SlotOp};
 use crate::spec::AggregateFunction;
 
-/// Sixteen words, aligned as a cache line.
+/// Sixteen words, aligned as a cache line (the slab's unit of growth).
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 #[repr(C, align(64))]
 struct Line([u32; 16]);
@@ -44,17 +43,23 @@ enum Lane {
     Wide { word: usize, op: SlotOp },
     /// A counter in one word; what passes `u32::MAX` is carried apart.
     Count { word: usize },
+    /// A sum in one word, as an `i32`; what passes its range is carried apart.
+    Sum { word: usize },
+    /// A flag (a sum's, minimum's or maximum's "saw a value"): the bits `mask` of `word`.
+    Seen { word: usize, mask: u32 },
     /// The first event time, as its offset from the pane's start (`u32::MAX`: none).
     First { word: usize },
     /// The last event time, as its offset from the pane's start plus one (`0`: none).
     Last { word: usize },
 }
 
-/// Where an aggregate's value and non-null count are stored (the same word for a count).
+/// Where an aggregate's value and its count or flag are stored: the count's word for a
+/// count; with `seen` the flag's bit in `count`, or `0` when `count` is a counter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct AggWords {
     pub value: usize,
     pub count: usize,
+    pub seen: u32,
 }
 
 /// The packed accumulators of the panes of a tumbling or sliding job, by slot.
@@ -70,11 +75,14 @@ pub(crate) struct PaneSlab {
     /// Per accumulator slot of the layout.
     lanes: Vec<Lane>,
     /// The lanes again, by kind, as (slot, word): wide sums, minima and maxima (the first
-    /// and last event time among them when wide), and counters.
+    /// and last event time among them when wide), counters, one-word sums; and flags as
+    /// (slot, word, mask).
     adds: Vec<(usize, usize)>,
     mins: Vec<(usize, usize)>,
     maxes: Vec<(usize, usize)>,
     counts: Vec<(usize, usize)>,
+    sums: Vec<(usize, usize)>,
+    seen: Vec<(usize, usize, u32)>,
     aggs: Vec<AggWords>,
     events: usize,
     /// The first and last event time as one-word offsets (else as wide lanes).
@@ -85,7 +93,7 @@ pub(crate) struct PaneSlab {
     empty: Vec<u32>,
     /// The wide form of an empty accumulator.
     empty_wide: Vec<i64>,
-    /// What counters carried past `u32::MAX`, by (slot, word).
+    /// What counters and sums carried past their word, by (slot, word).
     carries: FxHashMap<(u32, u32), i64>,
 }
 
@@ -129,65 +137,118 @@ fn add_count(
     }
 }
 
+/// Adds `delta` to the one-word sum at `word` of record `slot`, carrying what passes the
+/// range of an `i32` (the sum is the word's `i32` plus its carry, in wrapping `i64`).
+#[inline]
+fn add_sum(
+    rec: &mut [u32],
+    word: usize,
+    delta: i64,
+    carries: &mut FxHashMap<(u32, u32), i64>,
+    slot: u32,
+) {
+    let sum = i64::from(rec[word] as i32).wrapping_add(delta);
+    rec[word] = sum as i32 as u32;
+    let carry = sum.wrapping_sub(i64::from(sum as i32));
+    if carry != 0 {
+        let c = carries.entry((slot, word as u32)).or_insert(0);
+        *c = c.wrapping_add(carry);
+    }
+}
+
+/// Words per record of `used` words. Records are not padded to a cache line: at 10 words
+/// rather than 16 a market pane's record costs 40 bytes instead of 64, and a record that
+/// straddles two lines costs the second line's read, which the prefetcher of adjacent
+/// lines mostly hides.
+fn stride_of(used: usize) -> usize {
+    used.next_multiple_of(2).max(2)
+}
+
 impl PaneSlab {
     /// An empty slab for `layout`'s accumulators of panes `pane_us` wide.
     pub fn new(layout: &Layout, pane_us: i64) -> Self {
+        #[derive(Clone, Copy, PartialEq)]
+        enum Kind {
+            Wide(SlotOp),
+            Count,
+            Sum,
+            Seen,
+        }
         let narrow_times = (1..=i64::from(u32::MAX)).contains(&pane_us);
-        // Wide lanes first, at even words; then the one-word lanes.
-        let mut kinds: Vec<Option<SlotOp>> = vec![None; layout.stride];
-        let mut wide_slot = |slot: usize, op: SlotOp| kinds[slot] = Some(op);
+        let mut kinds = vec![Kind::Count; layout.stride];
         if !narrow_times {
-            wide_slot(FIRST, SlotOp::Min);
-            wide_slot(LAST, SlotOp::Max);
+            kinds[FIRST] = Kind::Wide(SlotOp::Min);
+            kinds[LAST] = Kind::Wide(SlotOp::Max);
         }
         for (f, slot) in &layout.aggs {
-            match f {
-                AggregateFunction::Count => {}
-                AggregateFunction::Sum | AggregateFunction::Avg => wide_slot(*slot, SlotOp::Add),
-                AggregateFunction::Min => wide_slot(*slot, SlotOp::Min),
-                AggregateFunction::Max => wide_slot(*slot, SlotOp::Max),
-            }
+            let (value, flag) = match f {
+                AggregateFunction::Count => continue,
+                AggregateFunction::Avg => (Kind::Sum, Kind::Count),
+                AggregateFunction::Sum => (Kind::Sum, Kind::Seen),
+                AggregateFunction::Min => (Kind::Wide(SlotOp::Min), Kind::Seen),
+                AggregateFunction::Max => (Kind::Wide(SlotOp::Max), Kind::Seen),
+            };
+            kinds[*slot] = value;
+            kinds[*slot + 1] = flag;
         }
+        // Wide lanes first, at even words; then the one-word lanes; then the flags, 32 to
+        // a word.
         let mut lanes = vec![Lane::Count { word: 0 }; layout.stride];
         let mut word = 0;
         for (slot, kind) in kinds.iter().enumerate() {
-            if let Some(op) = kind {
-                lanes[slot] = Lane::Wide { word, op: *op };
+            if let Kind::Wide(op) = *kind {
+                lanes[slot] = Lane::Wide { word, op };
                 word += 2;
             }
         }
         for (slot, kind) in kinds.iter().enumerate() {
-            if kind.is_none() {
-                lanes[slot] = match slot {
-                    FIRST => Lane::First { word },
-                    LAST => Lane::Last { word },
-                    _ => Lane::Count { word },
-                };
-                word += 1;
-            }
+            lanes[slot] = match (slot, kind) {
+                (_, Kind::Wide(_) | Kind::Seen) => continue,
+                (FIRST, _) => Lane::First { word },
+                (LAST, _) => Lane::Last { word },
+                (_, Kind::Sum) => Lane::Sum { word },
+                _ => Lane::Count { word },
+            };
+            word += 1;
         }
-        let stride = if word <= LINE_WORDS {
-            word.next_power_of_two().max(4)
-        } else {
-            word.next_multiple_of(2)
-        };
+        let flags = kinds.iter().filter(|k| **k == Kind::Seen).count();
+        for (i, slot) in (0..kinds.len())
+            .filter(|s| kinds[*s] == Kind::Seen)
+            .enumerate()
+        {
+            lanes[slot] = Lane::Seen {
+                word: word + i / 32,
+                mask: 1 << (i % 32),
+            };
+        }
+        word += flags.div_ceil(32);
+        let stride = stride_of(word);
         let word_of = |slot: usize| match lanes[slot] {
             Lane::Wide { word, .. }
             | Lane::Count { word }
+            | Lane::Sum { word }
+            | Lane::Seen { word, .. }
             | Lane::First { word }
             | Lane::Last { word } => word,
         };
         let aggs = layout
             .aggs
             .iter()
-            .map(|(f, slot)| match f {
-                AggregateFunction::Count => AggWords {
+            .map(|(f, slot)| match (f, lanes.get(*slot + 1).copied()) {
+                (AggregateFunction::Count, _) => AggWords {
                     value: word_of(*slot),
                     count: word_of(*slot),
+                    seen: 0,
+                },
+                (_, Some(Lane::Seen { word, mask })) => AggWords {
+                    value: word_of(*slot),
+                    count: word,
+                    seen: mask,
                 },
                 _ => AggWords {
                     value: word_of(*slot),
                     count: word_of(*slot + 1),
+                    seen: 0,
                 },
             })
             .collect();
@@ -212,11 +273,25 @@ impl PaneSlab {
             Lane::Count { word } => Some(word),
             _ => None,
         });
+        let sums = of_kind(&|lane| match lane {
+            Lane::Sum { word } => Some(word),
+            _ => None,
+        });
+        let seen = lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, lane)| match *lane {
+                Lane::Seen { word, mask } => Some((slot, word, mask)),
+                _ => None,
+            })
+            .collect();
         let mut slab = Self {
             adds,
             mins,
             maxes,
             counts,
+            sums,
+            seen,
             lines: Vec::new(),
             len: 0,
             pane_us,
@@ -243,8 +318,8 @@ impl PaneSlab {
                         SlotOp::Max => i64::MIN,
                     },
                 ),
-                Lane::Count { word } | Lane::Last { word } => empty[word] = 0,
                 Lane::First { word } => empty[word] = u32::MAX,
+                Lane::Count { .. } | Lane::Sum { .. } | Lane::Seen { .. } | Lane::Last { .. } => {}
             }
         }
         slab.empty = empty;
@@ -378,6 +453,9 @@ impl PaneSlab {
                     );
                 }
                 Lane::Count { word } => add_count(rec, word, *v, &mut self.carries, slot),
+                Lane::Sum { word } => add_sum(rec, word, *v, &mut self.carries, slot),
+                Lane::Seen { word, mask } if *v != 0 => rec[word] |= mask,
+                Lane::Seen { .. } => {}
                 Lane::First { word } if *v != i64::MAX => {
                     rec[word] = rec[word].min(v.wrapping_sub(base) as u32);
                 }
@@ -403,14 +481,25 @@ impl PaneSlab {
         for &(at, word) in &self.maxes {
             acc[at] = acc[at].max(get_wide(rec, word));
         }
+        for &(at, word, mask) in &self.seen {
+            acc[at] = acc[at].max(i64::from(rec[word] & mask != 0));
+        }
         if self.carries.is_empty() {
             for &(at, word) in &self.counts {
                 acc[at] = acc[at].wrapping_add(i64::from(rec[word]));
             }
+            for &(at, word) in &self.sums {
+                acc[at] = acc[at].wrapping_add(i64::from(rec[word] as i32));
+            }
         } else {
+            let carried =
+                |word: usize| self.carries.get(&(slot, word as u32)).copied().unwrap_or(0);
             for &(at, word) in &self.counts {
-                let carried = self.carries.get(&(slot, word as u32)).copied();
-                let v = i64::from(rec[word]).wrapping_add(carried.unwrap_or(0));
+                let v = i64::from(rec[word]).wrapping_add(carried(word));
+                acc[at] = acc[at].wrapping_add(v);
+            }
+            for &(at, word) in &self.sums {
+                let v = i64::from(rec[word] as i32).wrapping_add(carried(word));
                 acc[at] = acc[at].wrapping_add(v);
             }
         }
@@ -439,12 +528,9 @@ impl PaneSlab {
     pub fn touch(&self, slot: u32) -> u32 {
         let words = self.words();
         let at = slot as usize * self.stride;
+        // A record may straddle two lines.
         let first = words.get(at).copied().unwrap_or(0);
-        if self.stride <= LINE_WORDS {
-            first
-        } else {
-            first ^ words.get(at + self.stride - 1).copied().unwrap_or(0)
-        }
+        first ^ words.get(at + self.stride - 1).copied().unwrap_or(0)
     }
 
     /// Merges record `row` (event time `t`, event type `type_ix`) into record `slot`, of
@@ -490,12 +576,15 @@ impl PaneSlab {
             match a.function {
                 AggregateFunction::Count => {}
                 AggregateFunction::Sum | AggregateFunction::Avg => {
-                    set_wide(rec, w, get_wide(rec, w).wrapping_add(value));
+                    add_sum(rec, w, value, carries, slot);
                 }
                 AggregateFunction::Min => set_wide(rec, w, get_wide(rec, w).min(value)),
                 AggregateFunction::Max => set_wide(rec, w, get_wide(rec, w).max(value)),
             }
-            bump(rec, a.words.count, carries, slot);
+            match a.words.seen {
+                0 => bump(rec, a.words.count, carries, slot),
+                mask => rec[a.words.count] |= mask,
+            }
         }
     }
 
@@ -557,7 +646,7 @@ mod tests {
     }
 
     #[test]
-    fn a_market_pane_takes_one_cache_line() {
+    fn a_market_pane_takes_ten_words() {
         // And a key's two panes in place take 32 bytes with their list.
         assert_eq!(std::mem::size_of::<crate::engine::PaneList>(), 32);
         let text = std::fs::read_to_string(concat!(
@@ -567,15 +656,16 @@ mod tests {
         .unwrap();
         let layout = Layout::new(&JobSpec::from_toml(&text).unwrap());
         assert_eq!(layout.stride, 12);
+        // Events, first and last, three counts, three sums and a word of flags.
         let slab = PaneSlab::new(&layout, 60_000_000);
-        assert_eq!(slab.record_bytes(), 64);
+        assert_eq!(slab.record_bytes(), 40);
         // Two-hour panes keep their event times wide.
         let wide = PaneSlab::new(&layout, 7_200_000_000);
-        assert_eq!(wide.stride, 18);
+        assert_eq!(wide.stride, 12);
     }
 
     #[test]
-    fn counters_carry_past_u32_and_forget_it_when_released() {
+    fn counters_and_sums_carry_past_their_word_and_forget_it_when_released() {
         let layout = layout("1m");
         let mut slab = PaneSlab::new(&layout, 60_000_000);
         let mut acc = layout.empty();
@@ -583,7 +673,14 @@ mod tests {
         acc[FIRST] = 7 * 60_000_000 + 5;
         acc[LAST] = 7 * 60_000_000 + 9;
         acc[3] = (1 << 40) + 3;
+        // A sum past an `i32`, and an average's sum below it.
+        acc[4] = 3_000_000_000;
+        acc[5] = 1;
+        acc[10] = -5_000_000_000;
+        acc[11] = 2;
         let slot = slab.push(7, &acc);
+        // Carried: the count past `u32::MAX` and both sums (the events not yet).
+        assert_eq!(slab.carries.len(), 3);
         assert_eq!(slab.read(slot, 7), acc);
         let input = Int64Array::from(vec![Some(11)]);
         let plan = plan(&layout, &slab, &input);
