@@ -19,8 +19,8 @@ pub(crate) struct KeyTable {
     index: HashTable<Entry>,
     /// Every key's bytes, back to back, in id order.
     bytes: String,
-    /// Where each key's bytes end in `bytes`.
-    ends: Vec<usize>,
+    /// Where each key's bytes end in `bytes` (which holds at most 4 GiB of keys).
+    ends: Vec<u32>,
 }
 
 /// An index entry: the id, with the key's length and first eight bytes, so a lookup of a
@@ -49,10 +49,10 @@ fn hash(key: &str) -> u64 {
 
 /// Key `id` of the buffer `bytes` whose keys end at `ends`.
 #[inline]
-fn slice<'a>(bytes: &'a str, ends: &[usize], id: u32) -> &'a str {
+fn slice<'a>(bytes: &'a str, ends: &[u32], id: u32) -> &'a str {
     let id = id as usize;
-    let start = if id == 0 { 0 } else { ends[id - 1] };
-    &bytes[start..ends[id]]
+    let start = if id == 0 { 0 } else { ends[id - 1] as usize };
+    &bytes[start..ends[id] as usize]
 }
 
 impl KeyTable {
@@ -83,7 +83,9 @@ impl KeyTable {
     pub fn push(&mut self, key: &str) -> u32 {
         let id = self.ends.len() as u32;
         self.bytes.push_str(key);
-        self.ends.push(self.bytes.len());
+        let end =
+            u32::try_from(self.bytes.len()).expect("a window engine holds at most 4 GiB of keys");
+        self.ends.push(end);
         let (bytes, ends) = (&self.bytes, &self.ends);
         let entry = Entry {
             id,
@@ -103,11 +105,18 @@ impl KeyTable {
         self.index.reserve(keys, |e| hash(slice(bytes, ends, e.id)));
     }
 
-    /// Heap bytes held.
+    /// Heap bytes held: the index's buckets (an entry and a control byte each, a table
+    /// being at most seven-eighths full), the key bytes and their ends.
     pub fn heap_bytes(&self) -> usize {
+        let capacity = self.index.capacity();
+        let buckets = match capacity {
+            0 => 0,
+            c if c < 8 => (c + 1).next_power_of_two(),
+            c => (c * 8 / 7).next_power_of_two(),
+        };
         self.bytes.capacity()
-            + self.ends.capacity() * std::mem::size_of::<usize>()
-            + self.index.capacity() * (std::mem::size_of::<Entry>() + 1)
+            + self.ends.capacity() * std::mem::size_of::<u32>()
+            + buckets * (std::mem::size_of::<Entry>() + 1)
     }
 }
 
