@@ -163,46 +163,125 @@ pub(crate) struct WindowMeta {
     pub dirty: bool,
 }
 
-/// A pane of one key: its start (pane index) and its accumulator slot range in the slab
-/// (whether it changed since the last fire is `WindowEngine::pane_dirty[slab]`). Twelve
-/// bytes, not sixteen (no padding after `slab`), so that a key's two panes in place and
-/// their list take 32 bytes.
+/// A tumbling or sliding window of one key, and the pane that starts where it does, if
+/// any: its start (pane index), the pane's slot in the slab, its last emitted version,
+/// and whether it is closed and changed. Sixteen bytes: the flags take the slot's two
+/// high bits, so a key's two windows in place take 40 bytes with their list.
+///
+/// Every pane has its window (a record creates the windows over its pane, the window
+/// starting at the pane among them, and the pane retires with that window), so a key's
+/// window list is its pane list too: a tumbling window is its pane. (A sliding key has
+/// windows without a pane of their own.) Whether a pane changed since the last fire is
+/// `WindowEngine::pane_dirty[slab]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C, packed(4))]
-pub(crate) struct Pane {
+pub(crate) struct Window {
     pub start: i64,
-    pub slab: u32,
+    /// The pane's slab slot ([`SLOT_BITS`] bits; all ones: no pane), then the closed
+    /// and dirty flags.
+    bits: u32,
+    /// Last emitted version (0 = never emitted).
+    pub version: u32,
 }
 
-impl Pane {
-    /// No pane (its slab slot is [`NO_SLAB`]).
-    pub const NONE: Self = Self {
-        start: 0,
-        slab: NO_SLAB,
-    };
+/// Bits of a window's pane slot: slab slots run to `2^30 - 2`, a billion panes.
+const SLOT_BITS: u32 = 30;
+const SLOT_MASK: u32 = (1 << SLOT_BITS) - 1;
+const CLOSED: u32 = 1 << SLOT_BITS;
+const DIRTY: u32 = 1 << (SLOT_BITS + 1);
+/// The most panes a slab holds.
+pub(crate) const MAX_PANES: usize = SLOT_MASK as usize;
 
-    /// The newest of a key's `panes`: the one nearly every record of an active key goes
-    /// to.
+impl Window {
+    /// Window `start`, open or closed, with the pane at `slab` (or [`NO_SLAB`]).
+    pub fn new(start: i64, slab: u32, closed: bool) -> Self {
+        let mut w = Self {
+            start,
+            bits: 0,
+            version: 0,
+        };
+        w.set_slab(slab);
+        w.set_closed(closed);
+        w
+    }
+
+    /// The slab slot of the pane starting with it ([`NO_SLAB`]: none).
     #[inline]
-    pub fn newest(panes: &[Pane]) -> Self {
-        panes.last().copied().unwrap_or(Self::NONE)
+    pub fn slab(&self) -> u32 {
+        match self.bits & SLOT_MASK {
+            SLOT_MASK => NO_SLAB,
+            s => s,
+        }
+    }
+
+    #[inline]
+    pub fn set_slab(&mut self, slab: u32) {
+        debug_assert!(slab == NO_SLAB || slab < SLOT_MASK);
+        self.bits = (self.bits & !SLOT_MASK) | (slab & SLOT_MASK);
+    }
+
+    /// The watermark has passed the end (on-time fired, or created after it).
+    #[inline]
+    pub fn closed(&self) -> bool {
+        self.bits & CLOSED != 0
+    }
+
+    #[inline]
+    pub fn set_closed(&mut self, closed: bool) {
+        self.bits = if closed {
+            self.bits | CLOSED
+        } else {
+            self.bits & !CLOSED
+        };
+    }
+
+    /// Changed since its last emission.
+    #[inline]
+    pub fn dirty(&self) -> bool {
+        self.bits & DIRTY != 0
+    }
+
+    #[inline]
+    pub fn set_dirty(&mut self, dirty: bool) {
+        self.bits = if dirty {
+            self.bits | DIRTY
+        } else {
+            self.bits & !DIRTY
+        };
+    }
+
+    /// Its emission bookkeeping.
+    #[inline]
+    pub fn meta(&self) -> WindowMeta {
+        WindowMeta {
+            version: self.version,
+            closed: self.closed(),
+            dirty: self.dirty(),
+        }
+    }
+
+    #[inline]
+    pub fn set_meta(&mut self, meta: WindowMeta) {
+        self.version = meta.version;
+        self.set_closed(meta.closed);
+        self.set_dirty(meta.dirty);
+    }
+
+    /// The newest of a key's `windows` (the one starting at its newest pane: the pane
+    /// nearly every record of an active key goes to), or an entry without a pane.
+    #[inline]
+    pub fn newest(windows: &[Window]) -> Self {
+        windows
+            .last()
+            .copied()
+            .unwrap_or(Self::new(0, NO_SLAB, false))
     }
 }
 
-/// A key's panes, sorted by start: two of them (a tumbling job's open window and the one
-/// before it, held for its lateness) in place, in the key's entry, so the newest is found
-/// with one read and a key costs no allocation; more on the heap.
-pub(crate) type PaneList = SmallVec<[Pane; 2]>;
-
-/// A key's tumbling or sliding windows, sorted by start, two in place as [`PaneList`].
+/// A key's tumbling or sliding windows, sorted by start: two of them (a tumbling job's
+/// open window and the one before it, held for its lateness) in place, in the key's entry,
+/// so the newest is found with one read and a key costs no allocation; more on the heap.
 pub(crate) type WindowList = SmallVec<[Window; 2]>;
-
-/// A tumbling or sliding window of one key: its start (pane index) and its bookkeeping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Window {
-    pub start: i64,
-    pub meta: WindowMeta,
-}
 
 /// Bounds (µs) of the window starting at pane `start_pane` (free of `&self`, for callers
 /// that hold parts of the engine mutably).
@@ -218,16 +297,31 @@ pub(crate) fn pane_window_bounds(
     )
 }
 
-/// The index range of the panes (of a key's list, sorted by start, searched from `from`)
-/// that the window of `panes_per_window` panes from pane `start` covers.
+/// The index range of the windows (of a key's list, sorted by start, searched from
+/// `from`) whose panes the window of `panes_per_window` panes from pane `start` covers:
+/// those starting in the window (some without a pane, in a sliding job).
 #[inline]
-fn covered(panes: &[Pane], from: usize, start: i64, panes_per_window: i64) -> (usize, usize) {
+fn covered(windows: &[Window], from: usize, start: i64, panes_per_window: i64) -> (usize, usize) {
     let end = start.saturating_add(panes_per_window);
-    let from = from + panes[from..].partition_point(|p| p.start < start);
+    let from = from + windows[from..].partition_point(|w| w.start < start);
     (
         from,
-        from + panes[from..].partition_point(|p| p.start < end),
+        from + windows[from..].partition_point(|w| w.start < end),
     )
+}
+
+/// The range `from..to` of a key's windows without the windows at either end that have
+/// no pane: consecutive sliding windows over the same panes then give one range, and
+/// share one merge.
+#[inline]
+fn with_panes(windows: &[Window], mut from: usize, mut to: usize) -> (usize, usize) {
+    while from < to && windows[from].slab() == NO_SLAB {
+        from += 1;
+    }
+    while to > from && windows[to - 1].slab() == NO_SLAB {
+        to -= 1;
+    }
+    (from, to)
 }
 
 /// Finds `start` in a list sorted by start: `Ok(index)`, or `Err(insertion point)`.
@@ -258,7 +352,7 @@ struct Routed {
     offset: u32,
 }
 
-const NO_SLAB: u32 = u32::MAX;
+pub(crate) const NO_SLAB: u32 = u32::MAX;
 /// Records whose dedup slots are read ahead at a time: their cache lines (16 KiB) stay in
 /// the core's first-level cache (48 KiB here) until observed.
 const DEDUP_CHUNK: usize = 256;
@@ -268,25 +362,21 @@ const READ_AHEAD: usize = 256;
 const NO_KEY: u32 = u32::MAX;
 
 /// Reads the newest window of each of `keys`, so that the walk that follows finds their
-/// lists in cache. As [`DedupSet::touch`]: a short loop with no branch on what it reads,
-/// in which the CPU keeps many keys' cache misses in flight at once, where the walk,
-/// branching on each window, waited for each. Returns a value of what was read, for the
-/// caller to hand to [`std::hint::black_box`].
+/// lists in cache; with `records`, the first word of its pane's record too (the pane an
+/// early emission of an open window merges). As [`DedupSet::touch`]: a short loop with no
+/// branch on what it reads, in which the CPU keeps many keys' cache misses in flight at
+/// once, where the walk, branching on each window, waited for each. Returns a value of
+/// what was read, for the caller to hand to [`std::hint::black_box`].
 #[inline]
-fn touch_windows(key_windows: &[WindowList], keys: impl Iterator<Item = u32>) -> i64 {
+fn touch_windows(
+    key_windows: &[WindowList],
+    records: Option<&PaneSlab>,
+    keys: impl Iterator<Item = u32>,
+) -> i64 {
     keys.fold(0, |seen, key| {
-        seen ^ key_windows[key as usize].last().map_or(0, |w| w.start)
-    })
-}
-
-/// Reads the first accumulator slot of the newest pane of each of `keys` (the pane an
-/// early emission of an open window merges), as [`touch_windows`] does.
-#[inline]
-fn touch_panes(key_panes: &[PaneList], slab: &PaneSlab, keys: impl Iterator<Item = u32>) -> i64 {
-    keys.fold(0, |seen, key| {
-        seen ^ key_panes[key as usize]
-            .last()
-            .map_or(0, |p| i64::from(slab.touch(p.slab)))
+        let newest = Window::newest(&key_windows[key as usize]);
+        let record = records.map_or(0, |slab| slab.touch(newest.slab()));
+        seen ^ newest.start ^ i64::from(record)
     })
 }
 
@@ -431,10 +521,9 @@ pub struct WindowEngine {
     pub(crate) early_us: Option<i64>,
     pub(crate) keys: KeyTable,
     pub(crate) key_group: Vec<u16>,
-    /// Tumbling and sliding windows: per key id, its panes and its windows, each sorted by
+    /// Tumbling and sliding windows: per key id, its windows with their panes, sorted by
     /// start (dense by key id, so a record or an emission finds its key's state with one
-    /// index and its panes side by side; empty for session jobs).
-    pub(crate) key_panes: Vec<PaneList>,
+    /// index; empty for session jobs).
     pub(crate) key_windows: Vec<WindowList>,
     /// The panes' accumulators, by slab slot.
     pub(crate) slab: PaneSlab,
@@ -538,7 +627,6 @@ impl WindowEngine {
             config,
             keys: KeyTable::default(),
             key_group: Vec::new(),
-            key_panes: Vec::new(),
             key_windows: Vec::new(),
             slab,
             pane_dirty: Vec::new(),
@@ -631,7 +719,6 @@ impl WindowEngine {
         let kg = self.key_group_of(key);
         self.key_group.push(kg);
         if !self.is_session() {
-            self.key_panes.push(PaneList::new());
             self.key_windows.push(WindowList::new());
         }
         id
@@ -958,14 +1045,15 @@ impl WindowEngine {
             if r.wm >= newest_end.saturating_add(lateness) {
                 continue;
             }
-            let newest = Pane::newest(&self.key_panes[r.key as usize]);
-            if newest.slab != NO_SLAB && newest.start == pane {
-                let dirty = &mut self.pane_dirty[newest.slab as usize];
+            let newest = Window::newest(&self.key_windows[r.key as usize]);
+            let slab = newest.slab();
+            if slab != NO_SLAB && newest.start == pane {
+                let dirty = &mut self.pane_dirty[slab as usize];
                 if !*dirty {
                     *dirty = true;
                     self.dirty_panes.push((r.key, pane));
                 }
-                r.slab = newest.slab;
+                r.slab = slab;
                 r.offset = PaneSlab::offset(t, pane, pane_us);
             }
         }
@@ -977,68 +1065,69 @@ impl WindowEngine {
         if wm >= newest_end.saturating_add(self.lateness_us) {
             return false;
         }
-        let panes = &mut self.key_panes[key as usize];
-        match seek(panes, pane, |p| p.start) {
-            Ok(i) => {
-                self.slab.merge_wide(panes[i].slab, pane, delta);
-                let slab = panes[i].slab as usize;
-                if !self.pane_dirty[slab] {
-                    self.pane_dirty[slab] = true;
-                    self.dirty_panes.push((key, pane));
-                }
-            }
-            Err(i) => {
-                let slab = match self.free.pop() {
-                    Some(s) => {
-                        self.slab.write(s, pane, delta);
-                        s
-                    }
-                    None => {
-                        let s = self.slab.push(pane, delta);
-                        self.pane_dirty.push(false);
-                        s
-                    }
-                };
-                panes.insert(i, Pane { start: pane, slab });
+        let windows = &mut self.key_windows[key as usize];
+        if let Ok(i) = seek(windows, pane, |w| w.start)
+            && windows[i].slab() != NO_SLAB
+        {
+            let slab = windows[i].slab();
+            self.slab.merge_wide(slab, pane, delta);
+            if !self.pane_dirty[slab as usize] {
                 self.pane_dirty[slab as usize] = true;
                 self.dirty_panes.push((key, pane));
-                let windows = &mut self.key_windows[key as usize];
-                for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
-                    let Err(at) = seek(windows, w, |w| w.start) else {
-                        continue;
-                    };
-                    let (_, end) = pane_window_bounds(w, self.pane_us, self.panes_per_window);
-                    let retire_at = end.saturating_add(self.lateness_us);
-                    if wm >= retire_at {
-                        continue;
-                    }
-                    let closed = wm >= end;
-                    windows.insert(
-                        at,
-                        Window {
-                            start: w,
-                            meta: WindowMeta {
-                                version: 0,
-                                closed,
-                                dirty: false,
-                            },
-                        },
-                    );
-                    let (at, kind) = if closed {
-                        (retire_at, TimerKind::Retire)
-                    } else {
-                        (end, TimerKind::OnTime)
-                    };
-                    self.window_timers.push(
-                        at,
-                        Timer {
-                            key,
-                            start: w,
-                            kind,
-                        },
-                    );
-                }
             }
+            return true;
+        }
+        // A new pane: its record, and the windows over it that are not yet held (the one
+        // starting at it among them, unless a record of a later pane made it).
+        let slab = match self.free.pop() {
+            Some(s) => {
+                self.slab.write(s, pane, delta);
+                s
+            }
+            None => {
+                assert!(
+                    self.slab.len() < MAX_PANES,
+                    "a window engine holds at most {MAX_PANES} panes"
+                );
+                let s = self.slab.push(pane, delta);
+                self.pane_dirty.push(false);
+                s
+            }
+        };
+        self.pane_dirty[slab as usize] = true;
+        self.dirty_panes.push((key, pane));
+        for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
+            let own = if w == pane { slab } else { NO_SLAB };
+            let at = match seek(windows, w, |w| w.start) {
+                Ok(i) => {
+                    if own != NO_SLAB {
+                        windows[i].set_slab(own);
+                    }
+                    continue;
+                }
+                Err(at) => at,
+            };
+            let (_, end) = pane_window_bounds(w, self.pane_us, self.panes_per_window);
+            let retire_at = end.saturating_add(self.lateness_us);
+            // (Never the window starting at the pane: the record would be late.)
+            if wm >= retire_at {
+                continue;
+            }
+            let closed = wm >= end;
+            windows.insert(at, Window::new(w, own, closed));
+            let (at, kind) = if closed {
+                (retire_at, TimerKind::Retire)
+            } else {
+                (end, TimerKind::OnTime)
+            };
+            self.window_timers.push(
+                at,
+                Timer {
+                    key,
+                    start: w,
+                    kind,
+                },
+            );
         }
         true
     }
@@ -1162,6 +1251,7 @@ impl WindowEngine {
         for chunk in dirty.chunks(READ_AHEAD) {
             std::hint::black_box(touch_windows(
                 &self.key_windows,
+                None,
                 chunk.iter().map(|(key, _)| *key),
             ));
             for &(key, pane) in chunk {
@@ -1170,9 +1260,9 @@ impl WindowEngine {
                 let from = windows.partition_point(|w| w.start < first);
                 let mut open = false;
                 for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
-                    if !w.meta.dirty {
-                        w.meta.dirty = true;
-                        if w.meta.closed {
+                    if !w.dirty() {
+                        w.set_dirty(true);
+                        if w.closed() {
                             self.correction_queue.push((key, w.start));
                         } else {
                             open = true;
@@ -1248,16 +1338,17 @@ impl WindowEngine {
                     .map(|k| {
                         self.key_windows[*k as usize]
                             .iter()
-                            .filter(|w| w.meta.dirty && !w.meta.closed)
+                            .filter(|w| w.dirty() && !w.closed())
                             .count()
                     })
                     .sum();
                 out.reserve(due);
                 for chunk in early.chunks(READ_AHEAD) {
-                    std::hint::black_box(
-                        touch_windows(&self.key_windows, chunk.iter().copied())
-                            ^ touch_panes(&self.key_panes, &self.slab, chunk.iter().copied()),
-                    );
+                    std::hint::black_box(touch_windows(
+                        &self.key_windows,
+                        Some(&self.slab),
+                        chunk.iter().copied(),
+                    ));
                     for &key in chunk {
                         self.emit_early(key, wm, proc_time_us, &mut out);
                     }
@@ -1353,23 +1444,28 @@ impl WindowEngine {
     fn end_windows(&mut self, wm: i64, now: i64, out: &mut Emissions) {
         out.reserve(self.key_windows.iter().map(|l| l.len()).sum());
         let mut acc = std::mem::take(&mut self.acc_buf);
-        for (key, windows) in self.key_windows.iter_mut().enumerate() {
-            let panes = std::mem::take(&mut self.key_panes[key]);
+        for (key, list) in self.key_windows.iter_mut().enumerate() {
+            let windows = std::mem::take(list);
             let mut from = 0;
-            for w in windows.drain(..) {
-                let completeness = match (w.meta.closed, w.meta.dirty) {
+            // As in `emit_early`: windows over the same panes share one merge.
+            let mut merged = None;
+            for w in &windows {
+                let completeness = match (w.closed(), w.dirty()) {
                     (false, _) => Completeness::OnTime,
                     (true, true) => Completeness::Corrected,
                     (true, false) => continue,
                 };
-                let (first, to) = covered(&panes, from, w.start, self.panes_per_window);
+                let (first, to) = covered(&windows, from, w.start, self.panes_per_window);
                 from = first;
-                self.slab.merge_panes(&mut acc, &panes[from..to]);
+                let panes = with_panes(&windows, from, to);
+                if merged != Some(panes) {
+                    self.slab.merge_panes(&mut acc, &windows[panes.0..panes.1]);
+                    merged = Some(panes);
+                }
                 if acc[EVENTS] != 0 {
                     let window = pane_window_bounds(w.start, self.pane_us, self.panes_per_window);
                     let name = self.keys.name(key as u32);
-                    let v =
-                        Version::counted(name, window, w.meta.version + 1, completeness, wm, now);
+                    let v = Version::counted(name, window, w.version + 1, completeness, wm, now);
                     self.layout.push(out, v, &acc);
                 }
             }
@@ -1389,13 +1485,12 @@ impl WindowEngine {
     fn retire(&mut self, key: u32, start: i64, wm: i64, now: i64, out: &mut Emissions) {
         self.emit(key, start, Completeness::Corrected, wm, now, out);
         let windows = &mut self.key_windows[key as usize];
-        if let Ok(i) = seek(windows, start, |w| w.start) {
-            windows.remove(i);
-        }
-        // Pane `start` belongs to no younger window than this one: it is done.
-        let panes = &mut self.key_panes[key as usize];
-        if let Ok(i) = seek(panes, start, |p| p.start) {
-            let slab = panes.remove(i).slab;
+        let Ok(i) = seek(windows, start, |w| w.start) else {
+            return;
+        };
+        // Pane `start` belongs to no younger window than this one: it is done too.
+        let slab = windows.remove(i).slab();
+        if slab != NO_SLAB {
             self.slab.release(slab);
             self.pane_dirty[slab as usize] = false;
             self.free.push(slab);
@@ -1412,7 +1507,7 @@ impl WindowEngine {
             .flat_map(|k| {
                 self.key_windows[k as usize]
                     .iter()
-                    .filter(|w| w.meta.dirty && !w.meta.closed)
+                    .filter(|w| w.dirty() && !w.closed())
                     .map(move |w| (k, w.start))
             })
             .collect()
@@ -1423,30 +1518,31 @@ impl WindowEngine {
     /// window's pane is in every window over it, so one change emits many windows).
     fn emit_early(&mut self, key: u32, wm: i64, now: i64, out: &mut Emissions) {
         let windows = &mut self.key_windows[key as usize];
-        let panes = &self.key_panes[key as usize];
         let mut acc = std::mem::take(&mut self.acc_buf);
         let mut from = 0;
         // The panes merged into `acc`: consecutive windows over the same panes (a key
         // with few panes, in a sliding job) share one merge.
         let mut merged = None;
-        for w in windows.iter_mut() {
-            if w.meta.closed || !w.meta.dirty {
+        for i in 0..windows.len() {
+            let w = windows[i];
+            if w.closed() || !w.dirty() {
                 continue;
             }
-            w.meta.dirty = false;
-            let (first, to) = covered(panes, from, w.start, self.panes_per_window);
+            windows[i].set_dirty(false);
+            let (first, to) = covered(windows, from, w.start, self.panes_per_window);
             from = first;
-            if merged != Some((from, to)) {
-                self.slab.merge_panes(&mut acc, &panes[from..to]);
-                merged = Some((from, to));
+            let panes = with_panes(windows, from, to);
+            if merged != Some(panes) {
+                self.slab.merge_panes(&mut acc, &windows[panes.0..panes.1]);
+                merged = Some(panes);
             }
             if acc[EVENTS] != 0 {
-                w.meta.version += 1;
+                windows[i].version += 1;
                 let window = pane_window_bounds(w.start, self.pane_us, self.panes_per_window);
                 let v = Version::counted(
                     self.keys.name(key),
                     window,
-                    w.meta.version,
+                    windows[i].version,
                     Completeness::Provisional,
                     wm,
                     now,
@@ -1484,43 +1580,38 @@ impl WindowEngine {
         // The accumulator is built in a buffer the engine keeps (no allocation per emission).
         let mut acc = std::mem::take(&mut self.acc_buf);
         acc.clear();
-        let found = if self.is_session() {
+        // The window's bounds and its new version, when it emits.
+        let emitted = if self.is_session() {
             match self.sessions.get_mut(&key).and_then(|m| m.get_mut(&start)) {
-                Some(s) => {
-                    if due(&mut s.meta, completeness) {
-                        acc.extend_from_slice(&s.acc);
-                        Some((&mut s.meta, (start, s.end)))
-                    } else {
-                        None
-                    }
-                }
+                Some(s) => (due(&mut s.meta, completeness) && s.acc[EVENTS] != 0).then(|| {
+                    acc.extend_from_slice(&s.acc);
+                    s.meta.version += 1;
+                    ((start, s.end), s.meta.version)
+                }),
                 None => None,
             }
         } else {
             let bounds = self.window_bounds(start);
             let windows = &mut self.key_windows[key as usize];
             match seek(windows, start, |w| w.start) {
-                Ok(i) if due(&mut windows[i].meta, completeness) => {
-                    let panes = &self.key_panes[key as usize];
-                    let (from, to) = covered(panes, 0, start, self.panes_per_window);
-                    self.slab.merge_panes(&mut acc, &panes[from..to]);
-                    Some((&mut windows[i].meta, bounds))
+                Ok(i) => {
+                    let mut meta = windows[i].meta();
+                    let emits = due(&mut meta, completeness) && {
+                        let (from, to) = covered(windows, i, start, self.panes_per_window);
+                        self.slab.merge_panes(&mut acc, &windows[from..to]);
+                        acc[EVENTS] != 0
+                    };
+                    if emits {
+                        meta.version += 1;
+                    }
+                    windows[i].set_meta(meta);
+                    emits.then_some((bounds, meta.version))
                 }
-                _ => None,
+                Err(_) => None,
             }
         };
-        if let Some((meta, bounds)) = found
-            && acc[EVENTS] != 0
-        {
-            meta.version += 1;
-            let v = Version::counted(
-                self.keys.name(key),
-                bounds,
-                meta.version,
-                completeness,
-                wm,
-                now,
-            );
+        if let Some((bounds, version)) = emitted {
+            let v = Version::counted(self.keys.name(key), bounds, version, completeness, wm, now);
             self.layout.push(out, v, &acc);
         }
         self.acc_buf = acc;

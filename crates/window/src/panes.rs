@@ -26,7 +26,7 @@ use arrow::array::Array;
 use bytemuck::{Pod, Zeroable};
 use rustc_hash::FxHashMap;
 
-use crate::engine::{AggPlan, EVENTS, FIRST, LAST, Layout, Pane, SlotOp};
+use crate::engine::{AggPlan, EVENTS, FIRST, LAST, Layout, NO_SLAB, SlotOp, Window};
 use crate::spec::AggregateFunction;
 
 /// Sixteen words, aligned as a cache line (the slab's unit of growth).
@@ -339,13 +339,17 @@ impl PaneSlab {
         t.wrapping_sub(start.wrapping_mul(pane_us)) as u32
     }
 
-    /// Sets `acc` to the empty accumulator merged with the records of `panes`.
+    /// Sets `acc` to the empty accumulator merged with the records of the panes of
+    /// `windows` (those that have one).
     #[inline]
-    pub fn merge_panes(&self, acc: &mut Vec<i64>, panes: &[Pane]) {
+    pub fn merge_panes(&self, acc: &mut Vec<i64>, windows: &[Window]) {
         acc.clear();
         acc.extend_from_slice(&self.empty_wide);
-        for pane in panes {
-            self.merge_into(acc, pane.slab, pane.start);
+        for w in windows {
+            let slab = w.slab();
+            if slab != NO_SLAB {
+                self.merge_into(acc, slab, w.start);
+            }
         }
     }
 
@@ -647,8 +651,9 @@ mod tests {
 
     #[test]
     fn a_market_pane_takes_ten_words() {
-        // And a key's two panes in place take 32 bytes with their list.
-        assert_eq!(std::mem::size_of::<crate::engine::PaneList>(), 32);
+        // And a key's two windows (with their panes) in place take 40 bytes with their
+        // list.
+        assert_eq!(std::mem::size_of::<crate::engine::WindowList>(), 40);
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../jobs/market_aggregates.toml"

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, Pane, PaneList, Session, Timer, TimerKind, Window, WindowEngine, WindowList,
+    EngineConfig, MAX_PANES, NO_SLAB, Session, Timer, TimerKind, Window, WindowEngine, WindowList,
     WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
@@ -112,6 +112,31 @@ column_codec!(put_u32, get_u32, u32);
 column_codec!(put_i64, get_i64, i64);
 column_codec!(put_u128, get_u128, u128);
 
+/// For each window of the columns (sorted by key and start), the index of the pane that
+/// starts with it in the pane columns (sorted alike), or [`NO_SLAB`]; `None` when a pane
+/// has no such window.
+fn panes_of_windows(
+    window_keys: &[u32],
+    window_starts: &[i64],
+    pane_keys: &[u32],
+    pane_starts: &[i64],
+) -> Option<Vec<u32>> {
+    let mut next = 0;
+    let of_windows = window_keys
+        .iter()
+        .zip(window_starts)
+        .map(|(k, s)| {
+            if pane_keys.get(next) == Some(k) && pane_starts.get(next) == Some(s) {
+                next += 1;
+                next as u32 - 1
+            } else {
+                NO_SLAB
+            }
+        })
+        .collect();
+    (next == pane_keys.len()).then_some(of_windows)
+}
+
 /// How much state the engine holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct StateSize {
@@ -167,7 +192,7 @@ impl WindowEngine {
                         .iter()
                         .enumerate()
                         .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
-                        .flat_map(|(k, list)| list.iter().map(move |w| (k, w.start, w.meta)))
+                        .flat_map(|(k, list)| list.iter().map(move |w| (k, w.start, w.meta())))
                         .collect();
                     let window_cols = (
                         put_u32(windows.iter().map(|w| w.0)),
@@ -200,13 +225,15 @@ impl WindowEngine {
                     (window_cols, timer_cols)
                 });
                 let panes: Vec<(u32, i64, u32, bool)> = self
-                    .key_panes
+                    .key_windows
                     .iter()
                     .enumerate()
                     .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
                     .flat_map(|(k, list)| {
-                        list.iter()
-                            .map(move |p| (k, p.start, p.slab, self.pane_dirty[p.slab as usize]))
+                        list.iter().filter(|w| w.slab() != NO_SLAB).map(move |w| {
+                            let slab = w.slab();
+                            (k, w.start, slab, self.pane_dirty[slab as usize])
+                        })
                     })
                     .collect();
                 let mut slab = Vec::with_capacity(panes.len() * stride * 8);
@@ -381,6 +408,19 @@ impl WindowEngine {
                 "corrupt window state: panes in the state of a session job".into(),
             ));
         }
+        // Each pane goes with the window that starts where it does.
+        let Some(window_panes) =
+            panes_of_windows(&window_keys, &window_starts, &pane_keys, &pane_starts)
+        else {
+            return Err(bad(
+                "corrupt window state: a pane without the window that starts with it".into(),
+            ));
+        };
+        if self.slab.len() + panes > MAX_PANES {
+            return Err(bad(format!(
+                "the state holds more panes than an engine can ({MAX_PANES})"
+            )));
+        }
         if !(0..panes).all(|i| {
             self.slab
                 .fits(pane_starts[i], &slab[i * stride..(i + 1) * stride])
@@ -412,7 +452,6 @@ impl WindowEngine {
         }
         let pane_job = !self.is_session();
         if pane_job {
-            self.key_panes.resize_with(self.keys.len(), PaneList::new);
             self.key_windows
                 .resize_with(self.keys.len(), WindowList::new);
         }
@@ -436,10 +475,9 @@ impl WindowEngine {
                 Some(start..i)
             })
         }
-        // Windows and timers on one thread, panes and dedup identities on another
+        // Windows, their panes and timers on one thread, dedup identities on another
         // (disjoint fields).
-        let (key_panes, key_windows, window_timers, timers_map, dedup_map) = (
-            &mut self.key_panes,
+        let (key_windows, window_timers, timers_map, dedup_map) = (
             &mut self.key_windows,
             &mut self.window_timers,
             &mut self.timers,
@@ -455,14 +493,17 @@ impl WindowEngine {
                     for i in run {
                         let start = window_starts[i];
                         let closed = window_flags[i] & 1 != 0;
-                        list.push(Window {
-                            start,
-                            meta: WindowMeta {
-                                version: window_versions[i],
-                                closed,
-                                dirty: window_flags[i] & 2 != 0,
-                            },
+                        let slab = match window_panes[i] {
+                            NO_SLAB => NO_SLAB,
+                            pane => first_slab + pane,
+                        };
+                        let mut window = Window::new(start, slab, closed);
+                        window.set_meta(WindowMeta {
+                            version: window_versions[i],
+                            closed,
+                            dirty: window_flags[i] & 2 != 0,
                         });
+                        list.push(window);
                         // The one timer of a tumbling or sliding window follows from it.
                         let (_, end) = pane_window_bounds(start, pane_us, panes_per_window);
                         let (at, kind) = if closed {
@@ -488,17 +529,6 @@ impl WindowEngine {
                     }
                 }
             });
-            for run in runs(&pane_keys) {
-                let Some(key) = id(pane_keys[run.start]) else {
-                    continue;
-                };
-                key_panes[key as usize] = run
-                    .map(|i| Pane {
-                        start: pane_starts[i],
-                        slab: first_slab + i as u32,
-                    })
-                    .collect();
-            }
             for i in 0..dedups {
                 dedup_map.insert(dedup_ids[i], dedup_expiry[i], dedup_groups[i]);
             }
@@ -541,23 +571,16 @@ impl WindowEngine {
         let record_bytes = self.slab.record_bytes();
         // Per key: its key group, and its entry and bytes in the key table.
         let key_bytes = self.key_group.capacity() * 2 + self.keys.heap_bytes();
-        let panes: usize = self.key_panes.iter().map(|l| l.len()).sum();
+        let panes = self.slab.len() - self.free.len();
         let windows: usize = self.key_windows.iter().map(|l| l.len()).sum();
-        // Two lists per key, each holding two entries in place; the entries of a longer
-        // list are on the heap.
-        let spilled =
-            |len: usize, in_place: bool, size: usize| if in_place { 0 } else { len * size };
-        let list_bytes = self.key_panes.len()
-            * (std::mem::size_of::<PaneList>() + std::mem::size_of::<WindowList>())
-            + self
-                .key_panes
-                .iter()
-                .map(|l| spilled(l.len(), !l.spilled(), std::mem::size_of::<Pane>()))
-                .sum::<usize>()
+        // A list per key, holding two windows in place; the windows of a longer list are
+        // on the heap.
+        let list_bytes = self.key_windows.len() * std::mem::size_of::<WindowList>()
             + self
                 .key_windows
                 .iter()
-                .map(|l| spilled(l.len(), !l.spilled(), std::mem::size_of::<Window>()))
+                .filter(|l| l.spilled())
+                .map(|l| l.capacity() * std::mem::size_of::<Window>())
                 .sum::<usize>();
         // Per pane, its record and its changed flag.
         let pane_bytes = list_bytes
@@ -644,26 +667,61 @@ mod tests {
         let restored =
             WindowEngine::restore(Arc::clone(&engine.spec), engine.config.clone(), &bytes).unwrap();
         // Slab slots are renumbered; starts, flags and accumulators are kept.
-        let panes = |e: &WindowEngine| -> Vec<Vec<(i64, bool, Vec<i64>)>> {
-            e.key_panes
+        type Kept = (i64, WindowMeta, Option<(bool, Vec<i64>)>);
+        let windows = |e: &WindowEngine| -> Vec<Vec<Kept>> {
+            e.key_windows
                 .iter()
                 .map(|list| {
                     list.iter()
-                        .map(|p| {
-                            (
-                                p.start,
-                                e.pane_dirty[p.slab as usize],
-                                e.slab.read(p.slab, p.start),
-                            )
+                        .map(|w| {
+                            let pane = (w.slab() != NO_SLAB).then(|| {
+                                let slab = w.slab();
+                                (e.pane_dirty[slab as usize], e.slab.read(slab, w.start))
+                            });
+                            (w.start, w.meta(), pane)
                         })
                         .collect()
                 })
                 .collect()
         };
-        assert_eq!(panes(&restored), panes(&engine));
-        assert_eq!(restored.key_windows, engine.key_windows);
+        assert_eq!(windows(&restored), windows(&engine));
+        // A sliding key has windows without a pane of their own.
+        assert!(
+            windows(&engine)
+                .iter()
+                .flatten()
+                .any(|(_, _, pane)| pane.is_none())
+        );
         assert_eq!(restored.snapshot().unwrap(), bytes);
-        assert_eq!(restored.state_size(), engine.state_size());
+        // The same state, in lists allocated at their size (not grown).
+        let (size, again) = (engine.state_size(), restored.state_size());
+        assert!(again.window_state_bytes <= size.window_state_bytes);
+        let counts = |s: StateSize| (s.keys, s.windows, s.panes, s.timers, s.dedup_identities);
+        assert_eq!(counts(again), counts(size));
+    }
+
+    #[test]
+    fn a_state_with_a_pane_without_its_window_is_refused() {
+        let engine = sliding_engine_with_two_keys();
+        let mut state = decode(&engine.snapshot().unwrap());
+        // Move the first pane one pane later, where no window starts (it is the newest).
+        let keys = get_u32(&state.pane_keys, state.pane_keys.0.len() / 4).unwrap();
+        let last = keys.iter().rposition(|k| *k == keys[0]).unwrap();
+        let mut starts = get_i64(&state.pane_starts, keys.len()).unwrap();
+        starts[last] += 1;
+        state.pane_starts = put_i64(starts.into_iter());
+        let err = WindowEngine::restore(
+            Arc::clone(&engine.spec),
+            engine.config.clone(),
+            &encode(&state),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(
+            err.message().contains("a pane without the window"),
+            "{}",
+            err.message()
+        );
     }
 
     #[test]
