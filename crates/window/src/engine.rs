@@ -228,11 +228,7 @@ impl Window {
 
     #[inline]
     pub fn set_closed(&mut self, closed: bool) {
-        self.bits = if closed {
-            self.bits | CLOSED
-        } else {
-            self.bits & !CLOSED
-        };
+        self.set_flag(CLOSED, closed);
     }
 
     /// Changed since its last emission.
@@ -243,10 +239,15 @@ impl Window {
 
     #[inline]
     pub fn set_dirty(&mut self, dirty: bool) {
-        self.bits = if dirty {
-            self.bits | DIRTY
+        self.set_flag(DIRTY, dirty);
+    }
+
+    #[inline]
+    fn set_flag(&mut self, flag: u32, on: bool) {
+        self.bits = if on {
+            self.bits | flag
         } else {
-            self.bits & !DIRTY
+            self.bits & !flag
         };
     }
 

@@ -130,10 +130,15 @@ fn add_count(
 ) {
     let sum = i64::from(rec[word]).wrapping_add(delta);
     rec[word] = sum as u32;
-    let carry = sum.wrapping_sub(i64::from(sum as u32));
-    if carry != 0 {
+    carry(carries, slot, word, sum.wrapping_sub(i64::from(sum as u32)));
+}
+
+/// Holds `carried` apart for the word `word` of record `slot`.
+#[inline]
+fn carry(carries: &mut FxHashMap<(u32, u32), i64>, slot: u32, word: usize, carried: i64) {
+    if carried != 0 {
         let c = carries.entry((slot, word as u32)).or_insert(0);
-        *c = c.wrapping_add(carry);
+        *c = c.wrapping_add(carried);
     }
 }
 
@@ -149,11 +154,7 @@ fn add_sum(
 ) {
     let sum = i64::from(rec[word] as i32).wrapping_add(delta);
     rec[word] = sum as i32 as u32;
-    let carry = sum.wrapping_sub(i64::from(sum as i32));
-    if carry != 0 {
-        let c = carries.entry((slot, word as u32)).or_insert(0);
-        *c = c.wrapping_add(carry);
-    }
+    carry(carries, slot, word, sum.wrapping_sub(i64::from(sum as i32)));
 }
 
 /// Words per record of `used` words. Records are not padded to a cache line: at 10 words
