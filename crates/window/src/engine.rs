@@ -298,17 +298,19 @@ pub(crate) fn pane_window_bounds(
     )
 }
 
-/// The index range of the windows (of a key's list, sorted by start, searched from
-/// `from`) whose panes the window of `panes_per_window` panes from pane `start` covers:
-/// those starting in the window (some without a pane, in a sliding job).
+/// The end of the index range of the windows whose panes the window at `i` covers (of a
+/// key's list, sorted by start): those starting in it, from `i` itself (some without a
+/// pane, in a sliding job). A walk, not a search: a window covers at most
+/// `panes_per_window` entries, and a caller visiting a key's windows in order passes the
+/// end it found for the window before (`to`), so the walk only moves forward.
 #[inline]
-fn covered(windows: &[Window], from: usize, start: i64, panes_per_window: i64) -> (usize, usize) {
-    let end = start.saturating_add(panes_per_window);
-    let from = from + windows[from..].partition_point(|w| w.start < start);
-    (
-        from,
-        from + windows[from..].partition_point(|w| w.start < end),
-    )
+fn covered(windows: &[Window], i: usize, to: usize, panes_per_window: i64) -> usize {
+    let end = windows[i].start.saturating_add(panes_per_window);
+    let mut to = to.max(i);
+    while to < windows.len() && windows[to].start < end {
+        to += 1;
+    }
+    to
 }
 
 /// The range `from..to` of a key's windows without the windows at either end that have
@@ -1097,6 +1099,11 @@ impl WindowEngine {
         };
         self.pane_dirty[slab as usize] = true;
         self.dirty_panes.push((key, pane));
+        if windows.is_empty() {
+            // A key's first record makes every window over its pane at once: one
+            // allocation, not a growth per doubling.
+            windows.reserve(self.panes_per_window as usize);
+        }
         for w in pane.saturating_sub(self.panes_per_window - 1)..=pane {
             let own = if w == pane { slab } else { NO_SLAB };
             let at = match seek(windows, w, |w| w.start) {
@@ -1258,9 +1265,16 @@ impl WindowEngine {
             for &(key, pane) in chunk {
                 let windows = &mut self.key_windows[key as usize];
                 let first = pane.saturating_sub(self.panes_per_window - 1);
-                let from = windows.partition_point(|w| w.start < first);
                 let mut open = false;
-                for w in windows[from..].iter_mut().take_while(|w| w.start <= pane) {
+                // From the newest window back: a changed pane is mostly the newest, and
+                // the walk reads no more than the windows it marks (the queues it fills
+                // are sorted before use).
+                for w in windows
+                    .iter_mut()
+                    .rev()
+                    .skip_while(|w| w.start > pane)
+                    .take_while(|w| w.start >= first)
+                {
                     if !w.dirty() {
                         w.set_dirty(true);
                         if w.closed() {
@@ -1447,18 +1461,17 @@ impl WindowEngine {
         let mut acc = std::mem::take(&mut self.acc_buf);
         for (key, list) in self.key_windows.iter_mut().enumerate() {
             let windows = std::mem::take(list);
-            let mut from = 0;
+            let mut to = 0;
             // As in `emit_early`: windows over the same panes share one merge.
             let mut merged = None;
-            for w in &windows {
+            for (i, w) in windows.iter().enumerate() {
                 let completeness = match (w.closed(), w.dirty()) {
                     (false, _) => Completeness::OnTime,
                     (true, true) => Completeness::Corrected,
                     (true, false) => continue,
                 };
-                let (first, to) = covered(&windows, from, w.start, self.panes_per_window);
-                from = first;
-                let panes = with_panes(&windows, from, to);
+                to = covered(&windows, i, to, self.panes_per_window);
+                let panes = with_panes(&windows, i, to);
                 if merged != Some(panes) {
                     self.slab.merge_panes(&mut acc, &windows[panes.0..panes.1]);
                     merged = Some(panes);
@@ -1520,7 +1533,7 @@ impl WindowEngine {
     fn emit_early(&mut self, key: u32, wm: i64, now: i64, out: &mut Emissions) {
         let windows = &mut self.key_windows[key as usize];
         let mut acc = std::mem::take(&mut self.acc_buf);
-        let mut from = 0;
+        let mut to = 0;
         // The panes merged into `acc`: consecutive windows over the same panes (a key
         // with few panes, in a sliding job) share one merge.
         let mut merged = None;
@@ -1530,9 +1543,8 @@ impl WindowEngine {
                 continue;
             }
             windows[i].set_dirty(false);
-            let (first, to) = covered(windows, from, w.start, self.panes_per_window);
-            from = first;
-            let panes = with_panes(windows, from, to);
+            to = covered(windows, i, to, self.panes_per_window);
+            let panes = with_panes(windows, i, to);
             if merged != Some(panes) {
                 self.slab.merge_panes(&mut acc, &windows[panes.0..panes.1]);
                 merged = Some(panes);
@@ -1598,8 +1610,8 @@ impl WindowEngine {
                 Ok(i) => {
                     let mut meta = windows[i].meta();
                     let emits = due(&mut meta, completeness) && {
-                        let (from, to) = covered(windows, i, start, self.panes_per_window);
-                        self.slab.merge_panes(&mut acc, &windows[from..to]);
+                        let to = covered(windows, i, i, self.panes_per_window);
+                        self.slab.merge_panes(&mut acc, &windows[i..to]);
                         acc[EVENTS] != 0
                     };
                     if emits {
