@@ -654,6 +654,19 @@ mod tests {
         postcard::from_bytes(&bytes[8..]).unwrap()
     }
 
+    /// The error restoring `state` into `engine`'s job gives: a classified refusal of
+    /// the caller's input.
+    fn refused(engine: &WindowEngine, state: &StateV2) -> crate::WindowError {
+        let err = WindowEngine::restore(
+            Arc::clone(&engine.spec),
+            engine.config.clone(),
+            &encode(state),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        err
+    }
+
     fn encode(state: &StateV2) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
@@ -710,13 +723,7 @@ mod tests {
         let mut starts = get_i64(&state.pane_starts, keys.len()).unwrap();
         starts[last] += 1;
         state.pane_starts = put_i64(starts.into_iter());
-        let err = WindowEngine::restore(
-            Arc::clone(&engine.spec),
-            engine.config.clone(),
-            &encode(&state),
-        )
-        .unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        let err = refused(&engine, &state);
         assert!(
             err.message().contains("a pane without the window"),
             "{}",
@@ -733,13 +740,7 @@ mod tests {
         assert!(starts.len() >= 16);
         let (a, b) = starts.split_at_mut(8);
         a.swap_with_slice(&mut b[..8]);
-        let err = WindowEngine::restore(
-            Arc::clone(&engine.spec),
-            engine.config.clone(),
-            &encode(&state),
-        )
-        .unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        let err = refused(&engine, &state);
         assert!(err.message().contains("out of order"), "{}", err.message());
     }
 }
