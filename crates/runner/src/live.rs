@@ -479,12 +479,13 @@ impl LiveJob {
                 }
                 if i + 1 < last {
                     let now = now_us();
-                    let rows = self.engine.fire(now);
+                    let mut rows = self.engine.fire(now);
                     self.freshness.emitted(&rows, now);
                     report.emitted += rows.len();
                     self.pending_snapshots
                         .extend(std::iter::repeat_n(Some(snapshot), rows.len()));
-                    self.pending_outputs.append(rows);
+                    self.pending_outputs.append(&mut rows);
+                    self.engine.recycle(rows);
                 }
             }
             for (outcome, n) in [
@@ -508,7 +509,7 @@ impl LiveJob {
         }
         let now = now_us();
         let fire_started = Instant::now();
-        let rows = self.engine.fire(now);
+        let mut rows = self.engine.fire(now);
         let fire_ms = fire_started.elapsed().as_millis();
         self.freshness.emitted(&rows, now);
         report.emitted += rows.len();
@@ -525,7 +526,8 @@ impl LiveJob {
         }
         self.pending_snapshots
             .extend(std::iter::repeat_n(self.position, rows.len()));
-        self.pending_outputs.append(rows);
+        self.pending_outputs.append(&mut rows);
+        self.engine.recycle(rows);
         let due =
             force_checkpoint || self.last_checkpoint.elapsed() >= self.config.checkpoint_interval;
         // An idle job has nothing to commit: the last checkpoint still describes it (a
@@ -663,6 +665,8 @@ impl LiveJob {
             .state_bytes
             .get_or_create(&self.labels)
             .set((size.window_state_bytes + size.dedup_bytes) as i64);
+        // Committed: the outputs' columns go back to the engine to be filled again.
+        self.engine.recycle(checkpoint.outputs);
         Ok(())
     }
 

@@ -559,6 +559,9 @@ pub struct WindowEngine {
     hash_buf: Vec<u64>,
     /// Scratch for the timers due at one time.
     timer_buf: Vec<Timer>,
+    /// Emptied emissions handed back by [`Self::recycle`], whose columns the next fire
+    /// fills.
+    spare: Emissions,
 }
 
 fn col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
@@ -652,6 +655,7 @@ impl WindowEngine {
             hash_buf: Vec::new(),
             acc_buf: Vec::new(),
             timer_buf: Vec::new(),
+            spare: Emissions::default(),
         }
     }
 
@@ -1284,9 +1288,24 @@ impl WindowEngine {
         self.fire_at(proc_time_us)
     }
 
+    /// Takes back emissions the caller is done with (emptied by [`Emissions::append`], or
+    /// written by the sink), so the next fire fills their columns instead of new ones.
+    /// Large fresh columns cost a page fault per page, and the allocator hands large freed
+    /// ones back to the kernel: sliding windows' early trigger spent about a quarter of its
+    /// fire time so (BENCHMARKS.md, stop 24).
+    pub fn recycle(&mut self, mut rows: Emissions) {
+        if rows.capacity() > self.spare.capacity() {
+            rows.clear();
+            self.spare = rows;
+        }
+    }
+
     fn fire_at(&mut self, proc_time_us: i64) -> Emissions {
         let wm = self.watermarks.current();
         let mut out = std::mem::take(&mut self.pending);
+        if out.is_empty() {
+            out = std::mem::take(&mut self.spare);
+        }
         out.emitted_at_mut().fill(proc_time_us);
         // 1. Changed panes mark their windows. Every changed pane is in the list, so all
         // are unchanged after it: one fill, instead of finding each pane again.

@@ -362,17 +362,16 @@ impl Emissions {
         aggs: &[(AggregateFunction, usize)],
     ) {
         self.push_head(v, header.map(|s| acc[s]));
-        if self.values.is_empty() {
-            // As much room as the other columns were given.
+        if self.len() == 1 {
+            // The first row shapes the value columns (kept from a clear, or new), with as
+            // much room as the other columns were given.
             let room = self.window_start.capacity();
-            self.values = aggs
-                .iter()
-                .map(|(f, _)| ValueColumn {
-                    float: *f == AggregateFunction::Avg,
-                    values: Vec::with_capacity(room),
-                    valid: Vec::with_capacity(room),
-                })
-                .collect();
+            self.values.resize_with(aggs.len(), ValueColumn::default);
+            for (c, (f, _)) in self.values.iter_mut().zip(aggs) {
+                c.float = *f == AggregateFunction::Avg;
+                c.values.reserve(room);
+                c.valid.reserve(room);
+            }
         }
         for (c, (f, s)) in self.values.iter_mut().zip(aggs) {
             let value = acc[*s];
@@ -432,10 +431,14 @@ impl Emissions {
         }
     }
 
-    /// Appends `other`'s rows.
-    pub fn append(&mut self, mut other: Emissions) {
+    /// Moves `other`'s rows to the end of these, leaving `other` empty with its memory
+    /// (as [`Vec::append`]), to hand back to [`WindowEngine::recycle`].
+    ///
+    /// [`WindowEngine::recycle`]: crate::WindowEngine::recycle
+    pub fn append(&mut self, other: &mut Emissions) {
         if self.is_empty() {
-            *self = other;
+            std::mem::swap(self, other);
+            other.clear();
             return;
         }
         if other.is_empty() {
@@ -460,6 +463,33 @@ impl Emissions {
             c.values.append(&mut o.values);
             c.valid.append(&mut o.valid);
         }
+        other.clear();
+    }
+
+    /// Removes every row, keeping the memory of every column.
+    pub fn clear(&mut self) {
+        self.key_bytes.clear();
+        self.key_offsets.clear();
+        self.window_start.clear();
+        self.window_end.clear();
+        self.output_version.clear();
+        self.completeness.clear();
+        self.retracted.clear();
+        self.watermark.clear();
+        self.emitted_at.clear();
+        self.first_event_time.clear();
+        self.last_event_time.clear();
+        self.events.clear();
+        for c in &mut self.values {
+            c.float = false;
+            c.values.clear();
+            c.valid.clear();
+        }
+    }
+
+    /// Rows held without growing.
+    pub(crate) fn capacity(&self) -> usize {
+        self.window_start.capacity()
     }
 
     /// Keeps the rows `keep` says to keep (one flag per row), in order.
@@ -702,14 +732,25 @@ mod tests {
         let all: Emissions = rows().into_iter().collect();
         assert_eq!(all.rows().collect::<Vec<_>>(), rows());
         let mut joined: Emissions = rows()[..1].iter().cloned().collect();
-        joined.append(rows()[1..].iter().cloned().collect());
-        joined.append(Emissions::default());
+        let mut rest: Emissions = rows()[1..].iter().cloned().collect();
+        joined.append(&mut rest);
+        assert!(rest.is_empty());
+        joined.append(&mut Emissions::default());
         assert_eq!(joined, all);
         joined.retain(&[false, true, true]);
         assert_eq!(joined.rows().collect::<Vec<_>>(), rows()[1..]);
         assert_eq!(joined.key(0), "market-two");
         joined.retain(&[true, false]);
         assert_eq!(joined.rows().collect::<Vec<_>>(), rows()[1..2]);
+        // Cleared, the columns keep their memory and take rows as new ones do.
+        let room = joined.capacity();
+        joined.clear();
+        assert!(joined.is_empty() && joined.rows().next().is_none());
+        assert_eq!(joined.capacity(), room);
+        for r in rows() {
+            joined.push_row(&r);
+        }
+        assert_eq!(joined.rows().collect::<Vec<_>>(), rows());
     }
 
     #[test]

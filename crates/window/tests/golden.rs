@@ -43,7 +43,9 @@ fn render(job: &str) -> String {
             .unwrap();
         late += outcome.late.len();
         dups += outcome.duplicates;
-        rows.extend(engine.fire(proc).rows());
+        let fired = engine.fire(proc);
+        rows.extend(fired.rows());
+        engine.recycle(fired);
         proc += 5_000_000;
     }
     rows.extend(engine.finish(proc).rows());

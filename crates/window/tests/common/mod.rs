@@ -128,7 +128,10 @@ pub fn step(engine: &mut WindowEngine, recs: &[Rec], proc: i64, out: &mut Run) {
         out.late
             .extend(outcome.late.iter().map(|l| recs[l.row as usize].clone()));
     }
-    out.rows.extend(engine.fire(proc).rows());
+    // Columns handed back as the live job hands them: a fire must fill them afresh.
+    let rows = engine.fire(proc);
+    out.rows.extend(rows.rows());
+    engine.recycle(rows);
 }
 
 /// Final result per identity: the highest version, without retracted identities.
