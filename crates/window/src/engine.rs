@@ -359,8 +359,11 @@ pub(crate) const NO_SLAB: u32 = u32::MAX;
 /// Records whose dedup slots are read ahead at a time: their cache lines (16 KiB) stay in
 /// the core's first-level cache (48 KiB here) until observed.
 const DEDUP_CHUNK: usize = 256;
-/// Keys whose state a fire reads ahead at a time (see [`touch_windows`]).
+/// Keys whose state is read ahead at a time: a chunk of records' keys and window lists in
+/// `process_batch`, and a fire's keys (see [`touch_windows`]).
 const READ_AHEAD: usize = 256;
+/// Rows of emission columns [`WindowEngine::recycle`] keeps whatever the recent fires.
+const MIN_SPARE_ROWS: usize = 4096;
 /// A record's key before it is interned.
 const NO_KEY: u32 = u32::MAX;
 
@@ -561,7 +564,9 @@ pub struct WindowEngine {
     timer_buf: Vec<Timer>,
     /// Emptied emissions handed back by [`Self::recycle`], whose columns the next fire
     /// fills.
-    spare: Emissions,
+    pub(crate) spare: Emissions,
+    /// Rows handed back lately, decaying (see [`Self::recycle`]).
+    recent_rows: usize,
 }
 
 fn col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
@@ -656,6 +661,7 @@ impl WindowEngine {
             acc_buf: Vec::new(),
             timer_buf: Vec::new(),
             spare: Emissions::default(),
+            recent_rows: 0,
         }
     }
 
@@ -1289,12 +1295,23 @@ impl WindowEngine {
     }
 
     /// Takes back emissions the caller is done with (emptied by [`Emissions::append`], or
-    /// written by the sink), so the next fire fills their columns instead of new ones.
+    /// written by the sink), so that the next fire with nothing pending fills their
+    /// columns instead of new ones.
     /// Large fresh columns cost a page fault per page, and the allocator hands large freed
     /// ones back to the kernel: sliding windows' early trigger spent about a quarter of its
     /// fire time so (BENCHMARKS.md, stop 24).
+    ///
+    /// Columns are kept up to four times the rows handed back lately (at least
+    /// [`MIN_SPARE_ROWS`]), a figure that decays by a thirty-second each hand-back: a
+    /// burst's columns serve the next burst, and are freed some dozens of hand-backs after
+    /// the fires shrink. [`StateSize::spare_output_bytes`] reports what is kept.
     pub fn recycle(&mut self, mut rows: Emissions) {
-        if rows.capacity() > self.spare.capacity() {
+        self.recent_rows = rows.len().max(self.recent_rows - self.recent_rows / 32);
+        let bound = self.recent_rows.max(MIN_SPARE_ROWS).saturating_mul(4);
+        if self.spare.capacity() > bound {
+            self.spare = Emissions::default();
+        }
+        if rows.capacity() > self.spare.capacity() && rows.capacity() <= bound {
             rows.clear();
             self.spare = rows;
         }

@@ -123,7 +123,8 @@ impl KeyTable {
 
     /// Reads the home slot of each of `hashes` and returns a value that depends on them
     /// all, so that the lookups which follow find their slots in cache (see the module
-    /// docs). Branch-free: the reads do not wait for one another.
+    /// docs). No branch depends on what is read, so the reads do not wait for one
+    /// another.
     pub fn touch(&self, hashes: &[u64]) -> u64 {
         let n = self.slots.len();
         if n == 0 {
@@ -164,7 +165,7 @@ impl KeyTable {
         self.bytes.reserve(bytes);
         self.ends.reserve(keys);
         let want = self.len().saturating_add(keys);
-        if want * MAX_LOAD.1 > self.slots.len() * MAX_LOAD.0 {
+        if want.saturating_mul(MAX_LOAD.1) > self.slots.len() * MAX_LOAD.0 {
             self.rebuild(want);
         }
     }

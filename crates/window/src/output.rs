@@ -431,8 +431,10 @@ impl Emissions {
         }
     }
 
-    /// Moves `other`'s rows to the end of these, leaving `other` empty with its memory
-    /// (as [`Vec::append`]), to hand back to [`WindowEngine::recycle`].
+    /// Moves `other`'s rows to the end of these, leaving `other` empty, to hand back to
+    /// [`WindowEngine::recycle`]. As [`Vec::append`], `other` keeps its memory, except
+    /// when these are empty: then the two swap columns whole, and `other` keeps these
+    /// ones' memory.
     ///
     /// [`WindowEngine::recycle`]: crate::WindowEngine::recycle
     pub fn append(&mut self, other: &mut Emissions) {
@@ -466,7 +468,9 @@ impl Emissions {
         other.clear();
     }
 
-    /// Removes every row, keeping the memory of every column.
+    /// Removes every row, keeping the memory of every column. The result holds no rows
+    /// but still an (empty) column per aggregate, so it does not compare equal to
+    /// [`Emissions::default`].
     pub fn clear(&mut self) {
         self.key_bytes.clear();
         self.key_offsets.clear();
@@ -490,6 +494,36 @@ impl Emissions {
     /// Rows held without growing.
     pub(crate) fn capacity(&self) -> usize {
         self.window_start.capacity()
+    }
+
+    /// Heap bytes of the columns, held or free.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        fn bytes<T>(v: &Vec<T>) -> usize {
+            v.capacity() * std::mem::size_of::<T>()
+        }
+        let values: usize = self
+            .values
+            .iter()
+            .map(|c| bytes(&c.values) + bytes(&c.valid))
+            .sum();
+        self.key_bytes.capacity()
+            + bytes(&self.key_offsets)
+            + [
+                &self.window_start,
+                &self.window_end,
+                &self.watermark,
+                &self.emitted_at,
+                &self.first_event_time,
+                &self.last_event_time,
+                &self.events,
+            ]
+            .into_iter()
+            .map(bytes)
+            .sum::<usize>()
+            + bytes(&self.output_version)
+            + bytes(&self.completeness)
+            + bytes(&self.retracted)
+            + values
     }
 
     /// Keeps the rows `keep` says to keep (one flag per row), in order.

@@ -154,6 +154,9 @@ pub struct StateSize {
     pub window_state_bytes: usize,
     /// Estimated heap bytes of dedup identities.
     pub dedup_bytes: usize,
+    /// Heap bytes of emission columns kept for reuse ([`WindowEngine::recycle`]): not
+    /// state, and not in a snapshot.
+    pub spare_output_bytes: usize,
 }
 
 impl WindowEngine {
@@ -437,6 +440,13 @@ impl WindowEngine {
         if let Some(k) = state.key_names.iter().find(|k| self.keys.get(k).is_some()) {
             return Err(bad(format!("key `{k}` is already held by this engine")));
         }
+        // A repeated name would take a second id that no lookup reaches.
+        let mut names = std::collections::HashSet::with_capacity(n_keys);
+        if let Some(k) = state.key_names.iter().find(|k| !names.insert(k.as_str())) {
+            return Err(bad(format!(
+                "corrupt window state: key `{k}` is held twice"
+            )));
+        }
         // One allocation per map instead of repeated growth (millions of entries).
         self.keys
             .reserve(n_keys, state.key_names.iter().map(String::len).sum());
@@ -603,6 +613,7 @@ impl WindowEngine {
             dedup_identities: self.dedup.len(),
             window_state_bytes: key_bytes + pane_bytes + timer_bytes + session_bytes,
             dedup_bytes: self.dedup.heap_bytes(),
+            spare_output_bytes: self.spare.heap_bytes(),
         }
     }
 }
@@ -729,6 +740,62 @@ mod tests {
             "{}",
             err.message()
         );
+    }
+
+    #[test]
+    fn recycled_columns_are_kept_while_fires_are_as_large() {
+        let mut engine = sliding_engine_with_two_keys();
+        let spare = |e: &WindowEngine| e.state_size().spare_output_bytes;
+        let handed_back = |rows: usize| {
+            let mut e = crate::Emissions::default();
+            e.reserve(rows);
+            e
+        };
+        engine.recycle(handed_back(1_000));
+        let small = spare(&engine);
+        assert!(small > 0);
+        // Larger than recent hand-backs warrant: not kept.
+        engine.recycle(handed_back(100_000));
+        assert_eq!(spare(&engine), small);
+        // Kept while hand-backs as large come back (here, emptied and reserved again).
+        let row = crate::output::OutputRow {
+            key: "k".into(),
+            window_start: 0,
+            window_end: 60_000_000,
+            output_version: 1,
+            completeness: crate::Completeness::OnTime,
+            retracted: false,
+            watermark: 0,
+            emitted_at: 0,
+            first_event_time: 0,
+            last_event_time: 0,
+            events: 1,
+            values: Vec::new(),
+        };
+        engine.recycle((0..50_000).map(|_| row.clone()).collect());
+        let kept = spare(&engine);
+        assert!(kept > small);
+        // Once hand-backs stay small, the large columns are freed.
+        for _ in 0..200 {
+            engine.recycle(crate::Emissions::default());
+        }
+        assert_eq!(spare(&engine), 0);
+        // A fire fills kept columns with its own rows only: as an engine's that kept none.
+        engine.recycle((0..100).map(|_| row.clone()).collect());
+        assert!(spare(&engine) > 0);
+        let mut fresh = sliding_engine_with_two_keys();
+        let rows = |e: crate::Emissions| e.rows().collect::<Vec<_>>();
+        assert_eq!(rows(engine.finish(1)), rows(fresh.finish(1)));
+    }
+
+    #[test]
+    fn a_state_holding_a_key_twice_is_refused() {
+        let engine = sliding_engine_with_two_keys();
+        let mut state = decode(&engine.snapshot().unwrap());
+        assert_eq!(state.key_names.len(), 2);
+        state.key_names[1] = state.key_names[0].clone();
+        let err = refused(&engine, &state);
+        assert!(err.message().contains("held twice"), "{}", err.message());
     }
 
     #[test]
