@@ -1297,6 +1297,7 @@ impl WindowEngine {
     /// Takes back emissions the caller is done with (emptied by [`Emissions::append`], or
     /// written by the sink), so that the next fire with nothing pending fills their
     /// columns instead of new ones.
+    ///
     /// Large fresh columns cost a page fault per page, and the allocator hands large freed
     /// ones back to the kernel: sliding windows' early trigger spent about a quarter of its
     /// fire time so (BENCHMARKS.md, stop 24).

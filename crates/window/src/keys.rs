@@ -37,6 +37,17 @@ struct Slot {
     head: u64,
 }
 
+impl Slot {
+    /// The slot of key `id`, `key`.
+    fn of(id: u32, key: &str) -> Self {
+        Self {
+            id,
+            len: key.len() as u32,
+            head: head(key),
+        }
+    }
+}
+
 const EMPTY: u32 = u32::MAX;
 
 const EMPTY_SLOT: Slot = Slot {
@@ -151,12 +162,7 @@ impl KeyTable {
         let end =
             u32::try_from(self.bytes.len()).expect("a window engine holds at most 4 GiB of keys");
         self.ends.push(end);
-        let slot = Slot {
-            id,
-            len: key.len() as u32,
-            head: head(key),
-        };
-        place(&mut self.slots, hash, slot);
+        place(&mut self.slots, hash, Slot::of(id, key));
         id
     }
 
@@ -180,12 +186,7 @@ impl KeyTable {
         let mut slots = vec![EMPTY_SLOT; n];
         for id in 0..self.len() as u32 {
             let key = self.name(id);
-            let slot = Slot {
-                id,
-                len: key.len() as u32,
-                head: head(key),
-            };
-            place(&mut slots, hash(key), slot);
+            place(&mut slots, hash(key), Slot::of(id, key));
         }
         self.slots = slots;
     }

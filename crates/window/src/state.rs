@@ -437,15 +437,18 @@ impl WindowEngine {
                 "state accumulators do not match the job's aggregates".into()
             ));
         }
-        if let Some(k) = state.key_names.iter().find(|k| self.keys.get(k).is_some()) {
-            return Err(bad(format!("key `{k}` is already held by this engine")));
-        }
-        // A repeated name would take a second id that no lookup reaches.
+        // One pass over the names: none held already, none repeated (a repeat would take
+        // a second id that no lookup reaches).
         let mut names = std::collections::HashSet::with_capacity(n_keys);
-        if let Some(k) = state.key_names.iter().find(|k| !names.insert(k.as_str())) {
-            return Err(bad(format!(
-                "corrupt window state: key `{k}` is held twice"
-            )));
+        for k in &state.key_names {
+            if self.keys.get(k).is_some() {
+                return Err(bad(format!("key `{k}` is already held by this engine")));
+            }
+            if !names.insert(k.as_str()) {
+                return Err(bad(format!(
+                    "corrupt window state: key `{k}` is held twice"
+                )));
+            }
         }
         // One allocation per map instead of repeated growth (millions of entries).
         self.keys
