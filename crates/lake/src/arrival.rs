@@ -15,7 +15,7 @@
 //! many commits and a new sequence number: it contributes only after its last arrival, so
 //! around compacted data the recovered watermark can differ from the live one.
 
-use iceberg::spec::{DataContentType, PrimitiveLiteral};
+use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};
 use signalweave_model::ErrorKind;
 
 use crate::error::{LakeError, Result};
@@ -72,8 +72,23 @@ impl ArrivalWatermarks {
     /// that arrived entirely before it, minus the bound (`i64::MIN` when none did).
     pub fn at(&self, ingest_us: i64, sequence: i64) -> i64 {
         let key = (ingest_us, sequence);
-        let before = self.steps.partition_point(|(a, _)| *a < key);
-        match before {
+        self.after_steps(self.steps.partition_point(|(a, _)| *a < key))
+    }
+
+    /// A cursor that answers [`ArrivalWatermarks::at`] for a run of records, searching
+    /// only when a record falls outside the previous one's step. The records of one data
+    /// file arrive in about the order they were ingested, so a file's records rarely
+    /// search at all.
+    pub fn cursor(&self) -> ArrivalCursor<'_> {
+        ArrivalCursor {
+            watermarks: self,
+            before: 0,
+        }
+    }
+
+    /// The watermark after the first `n` steps.
+    fn after_steps(&self, n: usize) -> i64 {
+        match n {
             0 => i64::MIN,
             n => self.steps[n - 1].1.saturating_sub(self.bound_us),
         }
@@ -82,6 +97,29 @@ impl ArrivalWatermarks {
     /// Files that contributed.
     pub fn files(&self) -> usize {
         self.steps.len()
+    }
+}
+
+/// See [`ArrivalWatermarks::cursor`].
+#[derive(Debug, Clone)]
+pub struct ArrivalCursor<'a> {
+    watermarks: &'a ArrivalWatermarks,
+    /// Steps strictly before the previous record's arrival.
+    before: usize,
+}
+
+impl ArrivalCursor<'_> {
+    /// [`ArrivalWatermarks::at`].
+    #[inline]
+    pub fn at(&mut self, ingest_us: i64, sequence: i64) -> i64 {
+        let key = (ingest_us, sequence);
+        let steps = &self.watermarks.steps;
+        let n = self.before;
+        let still = (n == 0 || steps[n - 1].0 < key) && steps.get(n).is_none_or(|s| s.0 >= key);
+        if !still {
+            self.before = steps.partition_point(|(a, _)| *a < key);
+        }
+        self.watermarks.after_steps(self.before)
     }
 }
 
@@ -134,8 +172,71 @@ impl Lake {
         arrival_column: &str,
         bound_us: i64,
     ) -> Result<ArrivalWatermarks> {
+        let (files, ids) = self
+            .live_data_files(table, snapshot_id, &[event_column, arrival_column])
+            .await?;
+        let (event_id, arrival_id) = (ids[0], ids[1]);
+        let files = files
+            .iter()
+            .filter_map(|(f, seq)| {
+                let upper = f.upper_bounds();
+                Some((
+                    f.file_path().to_string(),
+                    upper.get(&arrival_id).and_then(micros)?,
+                    *seq,
+                    upper.get(&event_id).and_then(micros)?,
+                ))
+            })
+            .collect();
+        Ok(ArrivalWatermarks::from_files(files, bound_us))
+    }
+
+    /// The span of the timestamp column `column` in each live data file of `table` as of
+    /// `snapshot_id` (None: current), from the files' statistics.
+    pub async fn file_spans(
+        &self,
+        table: LakeTable,
+        snapshot_id: Option<i64>,
+        column: &str,
+    ) -> Result<FileSpans> {
+        let (files, ids) = self.live_data_files(table, snapshot_id, &[column]).await?;
+        let spans = files
+            .iter()
+            .filter_map(|(f, _)| {
+                Some((
+                    f.file_path().to_string(),
+                    (
+                        f.lower_bounds().get(&ids[0]).and_then(micros)?,
+                        f.upper_bounds().get(&ids[0]).and_then(micros)?,
+                    ),
+                ))
+            })
+            .collect();
+        Ok(FileSpans { spans })
+    }
+
+    /// The live data files of `table` as of `snapshot_id` (None: current; none for an
+    /// empty table) with their sequence numbers, and the field id of each of `columns`.
+    async fn live_data_files(
+        &self,
+        table: LakeTable,
+        snapshot_id: Option<i64>,
+        columns: &[&str],
+    ) -> Result<(Vec<(DataFile, i64)>, Vec<i32>)> {
         let base = self.table(table).await?;
         let md = base.metadata();
+        let schema = md.current_schema();
+        let ids = columns
+            .iter()
+            .map(|name| {
+                schema.field_by_name(name).map(|f| f.id).ok_or_else(|| {
+                    LakeError::new(
+                        ErrorKind::Config,
+                        format!("{} has no column {name}", table.name()),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let snapshot = match snapshot_id {
             Some(id) => md.snapshot_by_id(id).cloned().ok_or_else(|| {
                 LakeError::new(
@@ -145,38 +246,55 @@ impl Lake {
             })?,
             None => match md.current_snapshot() {
                 Some(s) => s.clone(),
-                None => return Ok(ArrivalWatermarks::from_files(Vec::new(), bound_us)),
+                None => return Ok((Vec::new(), ids)),
             },
         };
-        let schema = md.current_schema();
-        let field = |name: &str| {
-            schema.field_by_name(name).map(|f| f.id).ok_or_else(|| {
-                LakeError::new(
-                    ErrorKind::Config,
-                    format!("{} has no column {name}", table.name()),
-                )
+        let files = data_manifests(&base, &snapshot)
+            .await?
+            .iter()
+            .flat_map(|m| m.entries().iter().filter(|e| e.is_alive()))
+            .filter(|e| e.data_file().content_type() == DataContentType::Data)
+            .map(|e| (e.data_file().clone(), e.sequence_number().unwrap_or(0)))
+            .collect();
+        Ok((files, ids))
+    }
+}
+
+/// The span (lowest, highest value, µs) of one timestamp column in each data file, from
+/// the files' statistics: how many records of a planned read fall in a range can be
+/// estimated before reading any.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FileSpans {
+    spans: std::collections::HashMap<String, (i64, i64)>,
+}
+
+impl FileSpans {
+    /// About how many records of `files` (path, record count: a planned read) have the
+    /// column in `[from_us, to_us)`: each file's records are taken as spread evenly over
+    /// its span. A file of unknown span counts whole.
+    pub fn estimate<'a>(
+        &self,
+        files: impl IntoIterator<Item = (&'a str, u64)>,
+        from_us: i64,
+        to_us: i64,
+    ) -> u64 {
+        files
+            .into_iter()
+            .map(|(path, records)| {
+                let Some(&(lo, hi)) = self.spans.get(path) else {
+                    return records;
+                };
+                // In i128: a span's bounds can be the extremes of i64.
+                let span = i128::from(hi) - i128::from(lo) + 1;
+                let inside = (i128::from(hi) + 1).min(i128::from(to_us))
+                    - i128::from(lo).max(i128::from(from_us));
+                if span <= 0 || inside <= 0 {
+                    return 0;
+                }
+                let share = i128::from(records).saturating_mul(inside.min(span));
+                (share / span + i128::from(share % span != 0)) as u64
             })
-        };
-        let (event_id, arrival_id) = (field(event_column)?, field(arrival_column)?);
-        let loaded = data_manifests(&base, &snapshot).await?;
-        let mut files = Vec::new();
-        for manifest in &loaded {
-            for e in manifest.entries().iter().filter(|e| e.is_alive()) {
-                let seq = e.sequence_number().unwrap_or(0);
-                let f = e.data_file();
-                if f.content_type() != DataContentType::Data {
-                    continue;
-                }
-                let upper = f.upper_bounds();
-                if let (Some(a), Some(t)) = (
-                    upper.get(&arrival_id).and_then(micros),
-                    upper.get(&event_id).and_then(micros),
-                ) {
-                    files.push((f.file_path().to_string(), a, seq, t));
-                }
-            }
-        }
-        Ok(ArrivalWatermarks::from_files(files, bound_us))
+            .sum()
     }
 }
 
@@ -207,5 +325,57 @@ mod tests {
         assert_eq!(w.at(7, w.sequence_of("y")), 100);
         assert_eq!(w.at(7, w.sequence_of("z")), 200);
         assert_eq!(w.sequence_of("unknown"), i64::MAX);
+    }
+
+    #[test]
+    fn a_range_is_estimated_from_each_files_share_of_its_span() {
+        let spans = FileSpans {
+            spans: [
+                ("a".to_string(), (0, 99)),
+                ("b".to_string(), (100, 100)),
+                ("c".to_string(), (i64::MIN, i64::MAX)),
+            ]
+            .into(),
+        };
+        // a: [50, 100) is half of [0, 99]; b: one instant, inside.
+        assert_eq!(spans.estimate([("a", 1_000), ("b", 7)], 50, 150), 500 + 7);
+        assert_eq!(spans.estimate([("a", 1_000)], 100, 200), 0, "past its end");
+        assert_eq!(
+            spans.estimate([("a", 1_000)], -50, 1_000),
+            1_000,
+            "all of it"
+        );
+        assert_eq!(
+            spans.estimate([("b", 7)], 0, 100),
+            0,
+            "the end is exclusive"
+        );
+        assert_eq!(spans.estimate([("unknown", 9)], 0, 1), 9, "counts whole");
+        assert_eq!(
+            spans.estimate([("c", 1 << 40)], 0, 1 << 62),
+            1 << 38,
+            "no overflow"
+        );
+    }
+
+    proptest::proptest! {
+        /// The cursor answers as a search from scratch, whatever order records come in:
+        /// runs in arrival order (one file's records), jumps back, ties with a step.
+        #[test]
+        fn the_cursor_answers_as_a_search(
+            files in proptest::collection::vec((0i64..50, 0i64..4, -100i64..100), 0..12),
+            records in proptest::collection::vec((0i64..55, 0i64..5), 0..60),
+        ) {
+            let w = ArrivalWatermarks::from_files(
+                files.iter().enumerate().map(|(i, &(a, s, t))| (format!("f{i}"), a, s, t)).collect(),
+                3,
+            );
+            let mut cursor = w.cursor();
+            let mut sorted = records.clone();
+            sorted.sort_unstable();
+            for (ingest, seq) in records.into_iter().chain(sorted) {
+                proptest::prop_assert_eq!(cursor.at(ingest, seq), w.at(ingest, seq));
+            }
+        }
     }
 }

@@ -1321,13 +1321,22 @@ impl Lake {
     }
 
     /// Reads planned files of `table` as Arrow batches.
+    ///
+    /// A task planned with a predicate (a time range) reads only the pages whose
+    /// statistics in the file's page index can match it, in every column: a file that
+    /// straddles a backfill's sub-ranges is decompressed a part per sub-range, not whole
+    /// in each. Rows of those pages outside the range are still filtered out.
     pub async fn read(
         &self,
         table: LakeTable,
         tasks: Vec<FileScanTask>,
     ) -> Result<ArrowRecordBatchStream> {
         let t = self.table(table).await?;
-        let reader = t.reader_builder().with_batch_size(8192).build();
+        let reader = t
+            .reader_builder()
+            .with_batch_size(8192)
+            .with_row_selection_enabled(true)
+            .build();
         let tasks = stream::iter(tasks.into_iter().map(Ok)).boxed();
         reader
             .read(tasks)

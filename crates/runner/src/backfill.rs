@@ -924,6 +924,15 @@ pub async fn run(
         )
         .await?,
     );
+    // Each file's span of event time, to estimate a sub-range's records before reading.
+    let spans = Arc::new(
+        lake.file_spans(
+            LakeTable::Events,
+            record.snapshot_id,
+            &spec.time.event_time_column,
+        )
+        .await?,
+    );
     let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
     if !store
         .acquire(&spec.name, namespace, &runner, LEASE_STALE)
@@ -970,6 +979,7 @@ pub async fn run(
     ));
     let backfill = Running {
         arrivals,
+        spans,
         lake: lake.clone(),
         spec,
         store: store.clone(),
@@ -1153,6 +1163,7 @@ impl Drop for AbortOnDrop {
 struct Running {
     lake: Lake,
     arrivals: Arc<signalweave_lake::ArrivalWatermarks>,
+    spans: Arc<signalweave_lake::FileSpans>,
     spec: Arc<JobSpec>,
     store: BackfillStore,
     record: BackfillRecord,
@@ -1301,9 +1312,6 @@ impl Running {
             )?,
         };
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
-        // The plan's count is of whole files (an upper bound): capped, so a slice of a few
-        // huge files does not reserve more than it can use.
-        engine.reserve(sub.planned_records.min(16_000_000) as usize);
         // A backfill planned on an empty landing table has no input.
         let tasks = match self.record.snapshot_id {
             None => Vec::new(),
@@ -1320,6 +1328,19 @@ impl Running {
                     .tasks
             }
         };
+        // The dedup set is sized for the records expected in the sub-range (its share of
+        // each file's span of event time, and of the key groups), not for the whole files
+        // read: sized from the files, it took about twice the memory, every page of it
+        // faulted in on first use. An estimate short of what comes grows the set.
+        let expected = self.spans.estimate(
+            tasks
+                .iter()
+                .map(|t| (t.data_file_path.as_str(), t.record_count.unwrap_or(0))),
+            sub.from_us - self.record.lead_in_us,
+            sub.to_us,
+        ) * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
+            / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
+        engine.reserve(expected.min(16_000_000) as usize);
         let arrivals = &self.arrivals;
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
@@ -1529,10 +1550,16 @@ fn with_arrival_watermark(
                 format!("events lack the arrival column {ARRIVAL_COLUMN}"),
             )
         })?;
-    let wm: arrow::array::Int64Array = arrival
-        .iter()
-        .map(|a| a.map(|a| arrivals.at(a, sequence)))
-        .collect();
+    // Every slot is computed (a null's too, harmlessly) and the nulls are kept.
+    let mut cursor = arrivals.cursor();
+    let wm = arrow::array::Int64Array::new(
+        arrival
+            .values()
+            .iter()
+            .map(|&a| cursor.at(a, sequence))
+            .collect(),
+        arrival.nulls().cloned(),
+    );
     let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
     fields.push(Arc::new(arrow::datatypes::Field::new(
         ROW_WATERMARK,
