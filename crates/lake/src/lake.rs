@@ -1321,21 +1321,49 @@ impl Lake {
     }
 
     /// Reads planned files of `table` as Arrow batches.
-    ///
-    /// A task planned with a predicate (a time range) reads only the pages whose
-    /// statistics in the file's page index can match it, in every column: a file that
-    /// straddles a backfill's sub-ranges is decompressed a part per sub-range, not whole
-    /// in each. Rows of those pages outside the range are still filtered out.
     pub async fn read(
         &self,
         table: LakeTable,
         tasks: Vec<FileScanTask>,
     ) -> Result<ArrowRecordBatchStream> {
+        self.read_with(table, tasks, false).await
+    }
+
+    /// Reads one planned file of `table` as [`Lake::read`] does, but only the pages that
+    /// can match the task's predicate (a time range) by the statistics of the file's page
+    /// index, in every column. A file that straddles a backfill's sub-ranges is then
+    /// decompressed a part per sub-range, not whole in each; rows of those pages outside
+    /// the range are still filtered out.
+    ///
+    /// The reader requires a page index to select pages, and a file from another writer
+    /// may have none: a read that fails before its first batch is read again whole, and
+    /// fails as that read does.
+    pub async fn read_pages_in_range(
+        &self,
+        table: LakeTable,
+        task: FileScanTask,
+    ) -> Result<ArrowRecordBatchStream> {
+        let mut pages = self.read_with(table, vec![task.clone()], true).await?;
+        match pages.next().await {
+            Some(Err(e)) => {
+                tracing::debug!(file = %task.data_file_path, error = %e, "read by pages failed; reading the file whole");
+                self.read(table, vec![task]).await
+            }
+            first => Ok(stream::iter(first).chain(pages).boxed()),
+        }
+    }
+
+    async fn read_with(
+        &self,
+        table: LakeTable,
+        tasks: Vec<FileScanTask>,
+        select_pages: bool,
+    ) -> Result<ArrowRecordBatchStream> {
         let t = self.table(table).await?;
         let reader = t
             .reader_builder()
             .with_batch_size(8192)
-            .with_row_selection_enabled(true)
+            .with_row_selection_enabled(select_pages)
             .build();
         let tasks = stream::iter(tasks.into_iter().map(Ok)).boxed();
         reader

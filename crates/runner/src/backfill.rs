@@ -1355,7 +1355,10 @@ impl Running {
             self.throttle.admit_bytes(bytes).await;
             figures.bytes_read += bytes;
             bytes_counter.inc_by(bytes);
-            let mut stream = self.lake.read(LakeTable::Events, vec![task]).await?;
+            let mut stream = self
+                .lake
+                .read_pages_in_range(LakeTable::Events, task)
+                .await?;
             while let Some(batch) = stream.try_next().await.map_err(|e| {
                 RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
             })? {
