@@ -161,22 +161,23 @@ impl Lake {
             .collect())
     }
 
-    /// The arrival watermarks of `table` as of `snapshot_id` (None: current), from the
-    /// upper bounds of `event_column` and `arrival_column` in its data files' statistics.
-    /// Files without those statistics contribute nothing.
-    pub async fn arrival_watermarks(
+    /// What the data files' statistics tell of `table` as of `snapshot_id` (None:
+    /// current), from one read of its manifests: the arrival watermarks, from the upper
+    /// bounds of `event_column` and `arrival_column`, and each file's span of
+    /// `event_column`. A file without those statistics contributes nothing to either.
+    pub async fn file_statistics(
         &self,
         table: LakeTable,
         snapshot_id: Option<i64>,
         event_column: &str,
         arrival_column: &str,
         bound_us: i64,
-    ) -> Result<ArrivalWatermarks> {
+    ) -> Result<(ArrivalWatermarks, FileSpans)> {
         let (files, ids) = self
             .live_data_files(table, snapshot_id, &[event_column, arrival_column])
             .await?;
         let (event_id, arrival_id) = (ids[0], ids[1]);
-        let files = files
+        let arrivals = files
             .iter()
             .filter_map(|(f, seq)| {
                 let upper = f.upper_bounds();
@@ -188,31 +189,22 @@ impl Lake {
                 ))
             })
             .collect();
-        Ok(ArrivalWatermarks::from_files(files, bound_us))
-    }
-
-    /// The span of the timestamp column `column` in each live data file of `table` as of
-    /// `snapshot_id` (None: current), from the files' statistics.
-    pub async fn file_spans(
-        &self,
-        table: LakeTable,
-        snapshot_id: Option<i64>,
-        column: &str,
-    ) -> Result<FileSpans> {
-        let (files, ids) = self.live_data_files(table, snapshot_id, &[column]).await?;
         let spans = files
             .iter()
             .filter_map(|(f, _)| {
                 Some((
                     f.file_path().to_string(),
                     (
-                        f.lower_bounds().get(&ids[0]).and_then(micros)?,
-                        f.upper_bounds().get(&ids[0]).and_then(micros)?,
+                        f.lower_bounds().get(&event_id).and_then(micros)?,
+                        f.upper_bounds().get(&event_id).and_then(micros)?,
                     ),
                 ))
             })
             .collect();
-        Ok(FileSpans { spans })
+        Ok((
+            ArrivalWatermarks::from_files(arrivals, bound_us),
+            FileSpans { spans },
+        ))
     }
 
     /// The live data files of `table` as of `snapshot_id` (None: current; none for an
@@ -291,7 +283,8 @@ impl FileSpans {
                 if span <= 0 || inside <= 0 {
                     return 0;
                 }
-                let share = i128::from(records).saturating_mul(inside.min(span));
+                // `inside` is at most `span`.
+                let share = i128::from(records).saturating_mul(inside);
                 (share / span + i128::from(share % span != 0)) as u64
             })
             .sum()

@@ -22,7 +22,7 @@
 //!
 //! Records are fed in file order to a fresh engine that judges each record's lateness by
 //! the watermark the live job had when the record arrived ([`EngineConfig::watermark_column`],
-//! from [`Lake::arrival_watermarks`]: the largest event time of the files committed before
+//! from [`Lake::file_statistics`]: the largest event time of the files committed before
 //! its `ingest_time`, minus the out-of-orderness bound). A record is beyond allowed
 //! lateness when that watermark had passed its last window's end plus the allowed
 //! lateness, as it was for the live job. The
@@ -913,26 +913,19 @@ pub async fn run(
             ),
         ));
     }
-    // The live watermark at each arrival, from the pinned snapshot's file statistics.
-    let arrivals = Arc::new(
-        lake.arrival_watermarks(
+    // The live watermark at each arrival, and each file's span of event time (to
+    // estimate a sub-range's records before reading), from the pinned snapshot's file
+    // statistics.
+    let (arrivals, spans) = lake
+        .file_statistics(
             LakeTable::Events,
             record.snapshot_id,
             &spec.time.event_time_column,
             ARRIVAL_COLUMN,
             signalweave_window::micros(spec.time.max_out_of_orderness),
         )
-        .await?,
-    );
-    // Each file's span of event time, to estimate a sub-range's records before reading.
-    let spans = Arc::new(
-        lake.file_spans(
-            LakeTable::Events,
-            record.snapshot_id,
-            &spec.time.event_time_column,
-        )
-        .await?,
-    );
+        .await?;
+    let (arrivals, spans) = (Arc::new(arrivals), Arc::new(spans));
     let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
     if !store
         .acquire(&spec.name, namespace, &runner, LEASE_STALE)
