@@ -659,7 +659,9 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
         (statuses, retry_after)
     });
     let mut worst = Duration::ZERO;
+    let mut calm = Vec::new();
     for i in 0..10 {
+        let sent_ms = chrono::Utc::now().timestamp_millis();
         let started = Instant::now();
         let a = post(
             &gw.url,
@@ -669,6 +671,7 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
         .await;
         assert_eq!(a.status, 200, "{}", a.body);
         worst = worst.max(started.elapsed());
+        calm.push((sent_ms, a.body["snapshot_id"].as_i64().unwrap()));
     }
     let (statuses, retry) = burst.await.unwrap();
     assert!(statuses.contains(&429), "{statuses:?}");
@@ -676,11 +679,29 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
     let (retry_after, max_age, reason) = retry.unwrap();
     assert!(retry_after.is_some() && max_age.is_some());
     assert_eq!(reason, "quota_exceeded");
-    // The other tenant is never refused, and its acknowledgments wait for one commit
-    // interval plus one commit (bounded loosely here: a debug build on a loaded 2-core
-    // machine; the release figure is in BENCHMARKS.md).
-    assert!(worst <= Duration::from_millis(700), "worst ack {worst:?}");
+    // The other tenant is never refused, and the burst never defers its acknowledgments:
+    // each lands in the first commit cut after it arrived, so at most one other commit
+    // (the one already under way) finishes between the request and its snapshot. This
+    // counts commits, not milliseconds, so a slow machine cannot fail it; the wall-clock
+    // bound only catches a hang (the release latency is in BENCHMARKS.md).
+    assert!(worst <= Duration::from_secs(5), "worst ack {worst:?}");
     gw.stop().await;
+    let lake = Lake::open(backend.config.clone()).await.unwrap();
+    let snapshots = lake.snapshots(LakeTable::Events).await.unwrap();
+    for (sent_ms, snapshot_id) in calm {
+        let acked = snapshots
+            .iter()
+            .find(|s| s.snapshot_id == snapshot_id)
+            .unwrap_or_else(|| panic!("acked snapshot {snapshot_id} not in the table"));
+        let between = snapshots
+            .iter()
+            .filter(|s| s.timestamp_ms > sent_ms && s.sequence_number < acked.sequence_number)
+            .count();
+        assert!(
+            between <= 1,
+            "an ack sent at {sent_ms} waited for {between} commits before its own"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
