@@ -104,30 +104,33 @@ fn market_sql(source: &str) -> String {
 const DEDUPLICATED: &str = "(SELECT DISTINCT tenant, event_id, market_id, event_type, event_time, \
     amount_minor FROM events)";
 
+/// Prints the state `spec` holds after `data`, before `finish`.
+fn print_state(name: &str, spec: &Arc<JobSpec>, data: &[RecordBatch]) {
+    let mut e = WindowEngine::new(Arc::clone(spec), EngineConfig::default()).unwrap();
+    for (i, b) in data.iter().enumerate() {
+        e.process_batch(b, "bench", i as i64).unwrap();
+        e.fire(i as i64);
+    }
+    let s = e.state_size();
+    eprintln!(
+        "{name} state: {} keys, {} open windows, {} panes, {} timers; window state {} B = {:.0} B per active key, {:.0} B per open window; dedup {} identities, {} B",
+        s.keys,
+        s.windows,
+        s.panes,
+        s.timers,
+        s.window_state_bytes,
+        s.window_state_bytes as f64 / s.keys as f64,
+        s.window_state_bytes as f64 / s.windows as f64,
+        s.dedup_identities,
+        s.dedup_bytes
+    );
+}
+
 fn bench(c: &mut Criterion) {
     // 100k markets, 10k events/s: each key sees about one event per window.
     let market_data = batches(100_000, 100_000, 10_000);
     let market = job("market_aggregates");
-    {
-        let mut e = WindowEngine::new(Arc::clone(&market), EngineConfig::default()).unwrap();
-        for (i, b) in market_data.iter().enumerate() {
-            e.process_batch(b, "bench", i as i64).unwrap();
-            e.fire(i as i64);
-        }
-        let s = e.state_size();
-        eprintln!(
-            "market_aggregates state: {} keys, {} open windows, {} panes, {} timers; window state {} B = {:.0} B per active key, {:.0} B per open window; dedup {} identities, {} B",
-            s.keys,
-            s.windows,
-            s.panes,
-            s.timers,
-            s.window_state_bytes,
-            s.window_state_bytes as f64 / s.keys as f64,
-            s.window_state_bytes as f64 / s.windows as f64,
-            s.dedup_identities,
-            s.dedup_bytes
-        );
-    }
+    print_state("market_aggregates", &market, &market_data);
     let mut g = c.benchmark_group("market_aggregates_100k_keys");
     g.sample_size(10);
     g.throughput(Throughput::Elements(EVENTS));
@@ -185,6 +188,7 @@ fn bench(c: &mut Criterion) {
         )
         .unwrap(),
     );
+    print_state("sessions", &sessions, &session_data);
     let mut g = c.benchmark_group("sessions_1m_customers");
     g.sample_size(10);
     g.throughput(Throughput::Elements(EVENTS));

@@ -24,7 +24,8 @@
 //! - Duplicates share the dedup identity (default `(tenant, event_id)`) within the horizon
 //!   `allowed lateness + window span + replay horizon` of event time; they change nothing.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 
 use arrow::array::{Array, AsArray, RecordBatch, StringArray};
@@ -460,6 +461,43 @@ pub(crate) struct Session {
     pub meta: WindowMeta,
 }
 
+/// The sessions of one key, sorted by start and disjoint (one's end at most the next's
+/// start); most keys hold one, in place.
+pub(crate) type SessionList = SmallVec<[(i64, Session); 1]>;
+
+/// A session job's pending timer: due at `at`. The derived order is by time, then the
+/// firing order of the timers due at one time ([`Timer::firing_order`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct SessionTimer {
+    pub at: i64,
+    pub key: u32,
+    pub start: i64,
+    pub retire: bool,
+}
+
+impl SessionTimer {
+    pub fn new(at: i64, timer: Timer) -> Self {
+        Self {
+            at,
+            key: timer.key,
+            start: timer.start,
+            retire: matches!(timer.kind, TimerKind::Retire),
+        }
+    }
+
+    pub fn timer(&self) -> Timer {
+        Timer {
+            key: self.key,
+            start: self.start,
+            kind: if self.retire {
+                TimerKind::Retire
+            } else {
+                TimerKind::OnTime
+            },
+        }
+    }
+}
+
 /// What a timer does when the watermark reaches its time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum TimerKind {
@@ -536,12 +574,16 @@ pub struct WindowEngine {
     /// Per slab slot, whether its pane changed since the last fire.
     pub(crate) pane_dirty: Vec<bool>,
     pub(crate) free: Vec<u32>,
-    pub(crate) sessions: FxHashMap<u32, BTreeMap<i64, Session>>,
-    /// Per key, the end of the latest retired session: records before it are late, so a
-    /// retired session is never recreated.
-    pub(crate) session_frontier: FxHashMap<u32, i64>,
-    /// Session jobs' timers.
-    pub(crate) timers: BTreeMap<i64, Vec<Timer>>,
+    /// Session jobs: per key id, its sessions (dense by key id, as `key_windows`; empty
+    /// for tumbling and sliding jobs).
+    pub(crate) sessions: Vec<SessionList>,
+    /// Session jobs: per key id, the end of its latest retired session (`i64::MIN` for
+    /// none): records before it are late, so a retired session is never recreated.
+    pub(crate) session_frontier: Vec<i64>,
+    /// Session jobs' timers, earliest first (a session's start is its own, so its timers
+    /// are not derived from shared window starts as `window_timers` are). A timer whose
+    /// session has since changed its end is stale, and skipped when due.
+    pub(crate) timers: BinaryHeap<Reverse<SessionTimer>>,
     /// Tumbling and sliding jobs' timers (one per window, derived from the windows).
     pub(crate) window_timers: WindowTimers,
     pub(crate) dirty_panes: Vec<(u32, i64)>,
@@ -644,9 +686,9 @@ impl WindowEngine {
             slab,
             pane_dirty: Vec::new(),
             free: Vec::new(),
-            sessions: FxHashMap::default(),
-            session_frontier: FxHashMap::default(),
-            timers: BTreeMap::new(),
+            sessions: Vec::new(),
+            session_frontier: Vec::new(),
+            timers: BinaryHeap::new(),
             window_timers: WindowTimers::default(),
             dirty_panes: Vec::new(),
             early_keys: Vec::new(),
@@ -739,7 +781,10 @@ impl WindowEngine {
         let id = self.keys.push_hashed(key, hash);
         let kg = self.key_group_of(key);
         self.key_group.push(kg);
-        if !self.is_session() {
+        if self.is_session() {
+            self.sessions.push(SessionList::new());
+            self.session_frontier.push(i64::MIN);
+        } else {
             self.key_windows.push(WindowList::new());
         }
         id
@@ -755,7 +800,20 @@ impl WindowEngine {
 
     /// Schedules a session's `timer` at `at`.
     fn schedule(&mut self, at: i64, timer: Timer) {
-        self.timers.entry(at).or_default().push(timer);
+        self.timers.push(Reverse(SessionTimer::new(at, timer)));
+    }
+
+    /// Removes the session timers of the earliest time, if it is at or before `wm`:
+    /// returns the time, and sets `out` to its timers in [`Timer::firing_order`]. Timers
+    /// scheduled meanwhile for the same time are the next call's.
+    fn pop_session_timers(&mut self, wm: i64, out: &mut Vec<Timer>) -> Option<i64> {
+        out.clear();
+        let at = self.timers.peek().filter(|t| t.0.at <= wm)?.0.at;
+        while let Some(t) = self.timers.peek().filter(|t| t.0.at == at) {
+            out.push(t.0.timer());
+            self.timers.pop();
+        }
+        Some(at)
     }
 
     fn columns<'a>(&self, batch: &'a RecordBatch) -> Result<Columns<'a>> {
@@ -1191,54 +1249,60 @@ impl WindowEngine {
 
     fn add_to_session(&mut self, key: u32, t: i64, delta: &[i64], wm: i64) -> bool {
         let gap = self.spec.window.span_us();
-        let layout = Arc::clone(&self.layout);
         let lateness = self.lateness_us;
-        if self.session_frontier.get(&key).is_some_and(|f| t < *f) {
+        if t < self.session_frontier[key as usize] {
             return false;
         }
-        let sessions = self.sessions.entry(key).or_default();
+        let layout = &self.layout;
+        let sessions = &mut self.sessions[key as usize];
         let mut start = t;
         let mut end = t.saturating_add(gap);
-        // Sessions are disjoint and ordered, so their ends grow with their starts.
-        let overlapping: Vec<i64> = sessions
-            .range(..end)
-            .rev()
-            .take_while(|(_, s)| s.end > t)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in &overlapping {
-            let sess = &sessions[s];
+        // The sessions that overlap [t, t + gap): sorted and disjoint, they are the run
+        // [lo, hi) that starts before its end and ends after `t`.
+        let hi = sessions.partition_point(|(s, _)| *s < end);
+        let mut lo = hi;
+        while lo > 0 && sessions[lo - 1].1.end > t {
+            lo -= 1;
+        }
+        for (s, sess) in &sessions[lo..hi] {
             start = start.min(*s);
             end = end.max(sess.end);
         }
         if wm >= end.saturating_add(lateness) {
             return false;
         }
+        // Most records fall inside a session that already spans them: it keeps its
+        // identity (start and end), its version and its timer, and takes the record in
+        // place.
+        if hi - lo == 1 && sessions[lo].0 == start && sessions[lo].1.end == end {
+            let sess = &mut sessions[lo].1;
+            layout.merge(&mut sess.acc, delta);
+            sess.meta.dirty = true;
+            if sess.meta.closed {
+                self.correction_queue.push((key, start));
+            }
+            return true;
+        }
+        // Otherwise the record starts a session, or extends or bridges sessions into one
+        // of a new identity; those already emitted are retracted.
         let mut acc = layout.empty();
         layout.merge(&mut acc, delta);
-        let mut meta = WindowMeta::default();
-        let mut same_identity = false;
         let mut any_closed = false;
         let mut retractions = Vec::new();
-        for s in overlapping {
-            let Some(old) = sessions.remove(&s) else {
-                continue;
-            };
+        for (s, old) in sessions.drain(lo..hi) {
             layout.merge(&mut acc, &old.acc);
             any_closed |= old.meta.closed;
-            if s == start && old.end == end {
-                meta = old.meta;
-                same_identity = true;
-            } else if old.meta.version > 0 {
+            if old.meta.version > 0 {
                 retractions.push((s, old));
             }
         }
-        meta.dirty = true;
-        if !same_identity {
-            meta.closed = any_closed || wm >= end;
-        }
+        let meta = WindowMeta {
+            dirty: true,
+            closed: any_closed || wm >= end,
+            ..WindowMeta::default()
+        };
         let closed = meta.closed;
-        sessions.insert(start, Session { end, acc, meta });
+        sessions.insert(lo, (start, Session { end, acc, meta }));
         for (s, old) in retractions {
             // A retraction counts nothing, but says which events it withdraws.
             let mut withdrawn = layout.empty();
@@ -1257,17 +1321,15 @@ impl WindowEngine {
         }
         if closed {
             self.correction_queue.push((key, start));
-            if !same_identity {
-                self.schedule(
-                    end.saturating_add(lateness),
-                    Timer {
-                        key,
-                        start,
-                        kind: TimerKind::Retire,
-                    },
-                );
-            }
-        } else if !same_identity {
+            self.schedule(
+                end.saturating_add(lateness),
+                Timer {
+                    key,
+                    start,
+                    kind: TimerKind::Retire,
+                },
+            );
+        } else {
             self.schedule(
                 end,
                 Timer {
@@ -1366,37 +1428,30 @@ impl WindowEngine {
             }
         }
         // 2. Timers up to the watermark, in time order (room made for all first). At the
-        // end of input, tumbling and sliding windows end in one walk instead.
-        if wm == i64::MAX && !self.is_session() {
-            self.end_windows(wm, proc_time_us, &mut out);
+        // end of input, windows and sessions end in one walk instead.
+        if wm == i64::MAX {
+            if self.is_session() {
+                self.end_sessions(wm, proc_time_us, &mut out);
+            } else {
+                self.end_windows(wm, proc_time_us, &mut out);
+            }
         }
-        out.reserve(
-            self.timers
-                .range(..=wm)
-                .map(|(_, t)| t.len())
-                .sum::<usize>()
-                + self.window_timers.due(wm),
-        );
+        out.reserve(self.window_timers.due(wm));
+        let mut due = std::mem::take(&mut self.timer_buf);
         if self.is_session() {
-            while let Some(entry) = self.timers.first_entry() {
-                if *entry.key() > wm {
-                    break;
-                }
-                let (at, mut timers) = entry.remove_entry();
-                timers.sort_unstable_by_key(Timer::firing_order);
-                for timer in timers {
+            while let Some(at) = self.pop_session_timers(wm, &mut due) {
+                for &timer in &due {
                     self.run_timer(at, timer, wm, proc_time_us, &mut out);
                 }
             }
         } else {
-            let mut due = std::mem::take(&mut self.timer_buf);
             while let Some(at) = self.window_timers.pop_due(wm, &mut due) {
                 for &timer in &due {
                     self.run_timer(at, timer, wm, proc_time_us, &mut out);
                 }
             }
-            self.timer_buf = due;
         }
+        self.timer_buf = due;
         // 3. Corrections of closed windows. This queue and the early one are emitted by key
         // id, so an emission walks the per-key state in memory order instead of jumping
         // about it (a fifth off the early trigger's cost over 100,000 keys).
@@ -1473,12 +1528,7 @@ impl WindowEngine {
     fn run_timer(&mut self, at: i64, timer: Timer, wm: i64, now: i64, out: &mut Emissions) {
         let Timer { key, start, kind } = timer;
         if self.is_session() {
-            let Some(end) = self
-                .sessions
-                .get(&key)
-                .and_then(|s| s.get(&start))
-                .map(|s| s.end)
-            else {
+            let Some(end) = self.session(key, start).map(|s| s.end) else {
                 return;
             };
             match kind {
@@ -1495,13 +1545,11 @@ impl WindowEngine {
                 }
                 TimerKind::Retire if end.saturating_add(self.lateness_us) == at => {
                     self.emit(key, start, Completeness::Corrected, wm, now, out);
-                    if let Some(s) = self.sessions.get_mut(&key) {
-                        s.remove(&start);
-                        if s.is_empty() {
-                            self.sessions.remove(&key);
-                        }
+                    let sessions = &mut self.sessions[key as usize];
+                    if let Ok(i) = seek(sessions, start, |s| s.0) {
+                        sessions.remove(i);
                     }
-                    let frontier = self.session_frontier.entry(key).or_insert(end);
+                    let frontier = &mut self.session_frontier[key as usize];
                     *frontier = (*frontier).max(end);
                 }
                 _ => {}
@@ -1567,6 +1615,50 @@ impl WindowEngine {
         self.window_timers.clear();
         self.correction_queue.clear();
         self.early_keys.clear();
+    }
+
+    /// The end of input for a session job: emits every session that is open (on time)
+    /// or changed since its last emission (corrected), then drops them all, as their
+    /// timers would at an infinite watermark, in one walk by key.
+    fn end_sessions(&mut self, wm: i64, now: i64, out: &mut Emissions) {
+        out.reserve(self.sessions.iter().map(|l| l.len()).sum());
+        for (key, list) in self.sessions.iter_mut().enumerate() {
+            let frontier = &mut self.session_frontier[key];
+            for (start, s) in std::mem::take(list) {
+                *frontier = (*frontier).max(s.end);
+                let completeness = match (s.meta.closed, s.meta.dirty) {
+                    (false, _) => Completeness::OnTime,
+                    (true, true) => Completeness::Corrected,
+                    (true, false) => continue,
+                };
+                if s.acc[EVENTS] != 0 {
+                    let name = self.keys.name(key as u32);
+                    let v = Version::counted(
+                        name,
+                        (start, s.end),
+                        s.meta.version + 1,
+                        completeness,
+                        wm,
+                        now,
+                    );
+                    self.layout.push(out, v, &s.acc);
+                }
+            }
+        }
+        self.timers.clear();
+        self.correction_queue.clear();
+    }
+
+    /// Session `start` of `key`, if open.
+    pub(crate) fn session(&self, key: u32, start: i64) -> Option<&Session> {
+        let sessions = self.sessions.get(key as usize)?;
+        seek(sessions, start, |s| s.0).ok().map(|i| &sessions[i].1)
+    }
+
+    fn session_mut(&mut self, key: u32, start: i64) -> Option<&mut Session> {
+        let sessions = self.sessions.get_mut(key as usize)?;
+        let i = seek(sessions, start, |s| s.0).ok()?;
+        Some(&mut sessions[i].1)
     }
 
     /// Retires window `start` of `key` (tumbling or sliding), with its last correction if
@@ -1671,7 +1763,7 @@ impl WindowEngine {
         acc.clear();
         // The window's bounds and its new version, when it emits.
         let emitted = if self.is_session() {
-            match self.sessions.get_mut(&key).and_then(|m| m.get_mut(&start)) {
+            match self.session_mut(key, start) {
                 Some(s) => (due(&mut s.meta, completeness) && s.acc[EVENTS] != 0).then(|| {
                     acc.extend_from_slice(&s.acc);
                     s.meta.version += 1;

@@ -6,7 +6,7 @@
 //! magics, newer versions, and a state written for another job, job version or key-group
 //! count.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 
@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, MAX_PANES, NO_SLAB, Session, Timer, TimerKind, Window, WindowEngine, WindowList,
-    WindowMeta, pane_window_bounds,
+    EngineConfig, MAX_PANES, NO_SLAB, Session, SessionList, SessionTimer, Timer, TimerKind, Window,
+    WindowEngine, WindowList, WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -177,12 +177,14 @@ impl WindowEngine {
             }
         }
         let remap = |id: u32| keep.get(id as usize).copied().flatten();
-        let mut session_frontier: Vec<(u32, i64)> = self
+        // Key ids map to new ids in order: these come out sorted by key.
+        let session_frontier: Vec<(u32, i64)> = self
             .session_frontier
             .iter()
-            .filter_map(|(k, f)| remap(*k).map(|k| (k, *f)))
+            .enumerate()
+            .filter(|(_, f)| **f != i64::MIN)
+            .filter_map(|(k, f)| remap(k as u32).map(|k| (k, *f)))
             .collect();
-        session_frontier.sort_unstable();
         // Panes on one thread, windows and timers on another: the big columns are built
         // side by side.
         let ((pane_keys, pane_starts, pane_dirty, slab), (window_cols, timer_cols)) =
@@ -208,14 +210,14 @@ impl WindowEngine {
                         ),
                     );
                     drop(windows);
-                    let derived = !self.is_session();
-                    let timers: Vec<(i64, Timer)> = self
+                    // A session job's timers, in the order they fire.
+                    let mut timers: Vec<(i64, Timer)> = self
                         .timers
                         .iter()
-                        .filter(|_| !derived)
-                        .flat_map(|(at, ts)| ts.iter().map(move |t| (*at, *t)))
-                        .filter_map(|(at, t)| remap(t.key).map(|key| (at, Timer { key, ..t })))
+                        .map(|t| t.0)
+                        .filter_map(|t| remap(t.key).map(|key| (t.at, Timer { key, ..t.timer() })))
                         .collect();
+                    timers.sort_unstable_by_key(|(at, t)| (*at, t.firing_order()));
                     let timer_cols = (
                         put_i64(timers.iter().map(|t| t.0)),
                         put_u32(timers.iter().map(|t| t.1.key)),
@@ -256,13 +258,14 @@ impl WindowEngine {
                     .unwrap_or_else(|e| std::panic::resume_unwind(e));
                 (pane_cols, others)
             });
-        let mut sessions: Vec<(u32, i64, Session)> = Vec::new();
-        for (key, list) in &self.sessions {
-            if let Some(k) = remap(*key) {
-                sessions.extend(list.iter().map(|(s, v)| (k, *s, v.clone())));
-            }
-        }
-        sessions.sort_unstable_by_key(|(k, s, _)| (*k, *s));
+        // Sorted by (key, start), as the lists are.
+        let sessions: Vec<(u32, i64, Session)> = self
+            .sessions
+            .iter()
+            .enumerate()
+            .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
+            .flat_map(|(k, list)| list.iter().map(move |(s, v)| (k, *s, v.clone())))
+            .collect();
         let pairs = |v: &[(u32, i64)]| -> Vec<(u32, i64)> {
             v.iter()
                 .filter_map(|(k, s)| remap(*k).map(|k| (k, *s)))
@@ -406,6 +409,16 @@ impl WindowEngine {
                 "corrupt window state: panes or windows out of order".into()
             ));
         }
+        // A key's sessions are sorted by start and disjoint.
+        let sessions_ordered = state.sessions.windows(2).all(|w| {
+            let ((k0, s0, a), (k1, s1, _)) = (&w[0], &w[1]);
+            k0 < k1 || (k0 == k1 && s0 < s1 && a.end <= *s1)
+        });
+        if !sessions_ordered {
+            return Err(bad(
+                "corrupt window state: sessions out of order or overlapping".into(),
+            ));
+        }
         if self.is_session() && (panes > 0 || windows > 0) {
             return Err(bad(
                 "corrupt window state: panes in the state of a session job".into(),
@@ -467,6 +480,9 @@ impl WindowEngine {
         if pane_job {
             self.key_windows
                 .resize_with(self.keys.len(), WindowList::new);
+        } else {
+            self.sessions.resize_with(self.keys.len(), SessionList::new);
+            self.session_frontier.resize(self.keys.len(), i64::MIN);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = self.slab.len() as u32;
@@ -538,7 +554,7 @@ impl WindowEngine {
                         };
                         let start = timer_starts[i];
                         let timer = Timer { key, start, kind };
-                        timers_map.entry(timer_at[i]).or_default().push(timer);
+                        timers_map.push(Reverse(SessionTimer::new(timer_at[i], timer)));
                     }
                 }
             });
@@ -549,14 +565,15 @@ impl WindowEngine {
                 .join()
                 .unwrap_or_else(|e| std::panic::resume_unwind(e));
         });
+        // Sorted by (key, start): each list is filled in order.
         for (k, start, session) in state.sessions {
             if let Some(key) = id(k) {
-                self.sessions.entry(key).or_default().insert(start, session);
+                self.sessions[key as usize].push((start, session));
             }
         }
         for (k, f) in state.session_frontier {
             if let Some(key) = id(k) {
-                self.session_frontier.insert(key, f);
+                self.session_frontier[key as usize] = f;
             }
         }
         for (list, target) in [
@@ -600,14 +617,22 @@ impl WindowEngine {
             + panes * (record_bytes + 1)
             + self.free.len() * (record_bytes + 1)
             + self.slab.carry_bytes();
-        let session_timers: usize = self.timers.values().map(Vec::len).sum();
+        let session_timers = self.timers.len();
         let timers = session_timers + self.window_timers.len();
-        let timer_bytes = session_timers * std::mem::size_of::<Timer>()
-            + self.timers.len() * 48
+        let timer_bytes = self.timers.capacity() * std::mem::size_of::<SessionTimer>()
             + self.window_timers.heap_bytes();
-        let session_count: usize = self.sessions.values().map(BTreeMap::len).sum();
-        let session_bytes =
-            session_count * (8 + 16 + 24 + stride_bytes + 16) + self.sessions.len() * 40;
+        // Per key a list holding one session in place, and its frontier; per session its
+        // accumulator on the heap, and the place of any beyond the first.
+        let session_count: usize = self.sessions.iter().map(|l| l.len()).sum();
+        let session_bytes = self.sessions.capacity() * std::mem::size_of::<SessionList>()
+            + self.session_frontier.capacity() * 8
+            + session_count * stride_bytes
+            + self
+                .sessions
+                .iter()
+                .filter(|l| l.spilled())
+                .map(|l| l.capacity() * std::mem::size_of::<(i64, Session)>())
+                .sum::<usize>();
         StateSize {
             keys: self.keys.len(),
             windows: windows + session_count,
