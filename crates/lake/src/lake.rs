@@ -176,13 +176,6 @@ pub struct ScanPlan {
     pub total_files: u64,
 }
 
-impl ScanPlan {
-    /// Records in the planned files (before row filtering).
-    pub fn planned_records(&self) -> u64 {
-        self.tasks.iter().filter_map(|t| t.record_count).sum()
-    }
-}
-
 /// The data files appended after one position, up to another: the live tail's read.
 #[derive(Debug, Clone)]
 pub struct IncrementalPlan {

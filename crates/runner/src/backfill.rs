@@ -169,7 +169,8 @@ pub struct SubRange {
     pub kg_lo: u16,
     /// Key group after the last.
     pub kg_hi: u16,
-    /// Records in the files the slice plans to read (an upper bound).
+    /// Records the sub-range is expected to read: its files' records in its time range
+    /// (lead-in included), each file's taken as spread evenly over its event-time span.
     pub planned_records: u64,
     /// `pending` or `done`.
     pub state: String,
@@ -719,13 +720,42 @@ pub async fn create(
         .current_snapshot()
         .map(|s| s.snapshot_id());
     let lead_in = lead_in_us(spec);
+    // Each sub-range's records are estimated from the files' event-time spans, as its
+    // dedup set is sized: the files it reads counted whole would overstate it about
+    // twofold (a file straddles slices), and so the ETA.
+    let spans = match snapshot_id {
+        Some(_) => Some(
+            lake.file_statistics(
+                LakeTable::Events,
+                snapshot_id,
+                &spec.time.event_time_column,
+                ARRIVAL_COLUMN,
+                signalweave_window::micros(spec.time.max_out_of_orderness),
+            )
+            .await?
+            .1,
+        ),
+        None => None,
+    };
     let mut subranges = Vec::new();
     let splits = request.key_group_splits;
     for (a, b) in slices(request.from_us, request.to_us, slice_us) {
-        let planned = lake
-            .plan_time_range(LakeTable::Events, a - lead_in, b, snapshot_id)
-            .await?
-            .planned_records();
+        let planned = match &spans {
+            Some(spans) => {
+                let tasks = lake
+                    .plan_time_range(LakeTable::Events, a - lead_in, b, snapshot_id)
+                    .await?
+                    .tasks;
+                spans.estimate(
+                    tasks
+                        .iter()
+                        .map(|t| (t.data_file_path.as_str(), t.record_count.unwrap_or(0))),
+                    a - lead_in,
+                    b,
+                )
+            }
+            None => 0,
+        };
         for i in 0..splits {
             let lo = (u32::from(key_groups) * u32::from(i) / u32::from(splits)) as u16;
             let hi = (u32::from(key_groups) * (u32::from(i) + 1) / u32::from(splits)) as u16;
@@ -735,7 +765,8 @@ pub async fn create(
                 to_us: b,
                 kg_lo: lo,
                 kg_hi: hi,
-                planned_records: planned / u64::from(splits),
+                // Every key-group split reads the slice's records, and keeps its own.
+                planned_records: planned,
                 state: "pending".into(),
                 records: 0,
                 bytes_read: 0,
@@ -858,7 +889,7 @@ pub struct Progress {
     pub subranges: usize,
     /// Sub-ranges done.
     pub done: usize,
-    /// Records planned (upper bound).
+    /// Records the sub-ranges are expected to read (see [`SubRange::planned_records`]).
     pub planned_records: u64,
     /// Records read (done sub-ranges and the current one).
     pub records: u64,
