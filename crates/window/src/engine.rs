@@ -1258,10 +1258,12 @@ impl WindowEngine {
         let mut start = t;
         let mut end = t.saturating_add(gap);
         // The sessions that overlap [t, t + gap): sorted and disjoint, they are the run
-        // [lo, hi) that starts before its end and ends after `t`.
-        let hi = sessions.partition_point(|(s, _)| *s < end);
+        // [lo, hi) that starts before its end and ends after `t`. (Or starts at `t`: at
+        // the top of time the extent saturates to nothing, and a second record there must
+        // still find the first one's session.)
+        let hi = sessions.partition_point(|(s, _)| *s < end || *s == t);
         let mut lo = hi;
-        while lo > 0 && sessions[lo - 1].1.end > t {
+        while lo > 0 && (sessions[lo - 1].1.end > t || sessions[lo - 1].0 == t) {
             lo -= 1;
         }
         for (s, sess) in &sessions[lo..hi] {
@@ -1289,7 +1291,8 @@ impl WindowEngine {
         layout.merge(&mut acc, delta);
         let mut any_closed = false;
         let mut retractions = Vec::new();
-        for (s, old) in sessions.drain(lo..hi) {
+        // Newest first: the order their retractions are emitted in.
+        for (s, old) in sessions.drain(lo..hi).rev() {
             layout.merge(&mut acc, &old.acc);
             any_closed |= old.meta.closed;
             if old.meta.version > 0 {

@@ -424,6 +424,14 @@ impl WindowEngine {
                 "corrupt window state: panes in the state of a session job".into(),
             ));
         }
+        let holds_sessions = !state.sessions.is_empty()
+            || !state.session_frontier.is_empty()
+            || !timer_at.is_empty();
+        if holds_sessions && !self.is_session() {
+            return Err(bad(
+                "corrupt window state: sessions in the state of a tumbling or sliding job".into(),
+            ));
+        }
         // Each pane goes with the window that starts where it does.
         let Some(window_panes) =
             panes_of_windows(&window_keys, &window_starts, &pane_keys, &pane_starts)

@@ -170,6 +170,11 @@ fn late_event_bridging_two_sessions_retracts_both() {
     step(&mut e, &[rec("a", 4 * M, "3", 4)], 2 * S, &mut more);
     let retracted: Vec<_> = more.rows.iter().filter(|r| r.retracted).collect();
     assert_eq!(retracted.len(), 2);
+    // Newest first.
+    assert_eq!(
+        retracted.iter().map(|r| r.window_start).collect::<Vec<_>>(),
+        [8 * M, 0]
+    );
     assert!(
         retracted
             .iter()
@@ -254,6 +259,35 @@ fn shipped_jobs_parse() {
         let spec = JobSpec::from_file(format!("{dir}/{job}.toml")).unwrap();
         assert_eq!(spec.name, job);
     }
+}
+
+#[test]
+fn records_at_the_top_of_time_share_one_session() {
+    // `t + gap` saturates: the session is [MAX, MAX), and the second record must find it.
+    let spec = spec("kind = \"session\"\ngap = \"5m\"", "0s", "10m", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(
+        &mut e,
+        &[rec("a", i64::MAX, "1", 1), rec("a", i64::MAX, "2", 2)],
+        0,
+        &mut out,
+    );
+    out.rows.extend(e.finish(S).rows());
+    let a: Vec<_> = out.rows.iter().filter(|r| &*r.key == "a").collect();
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!((a[0].window_start, a[0].events), (i64::MAX, 2));
+}
+
+#[test]
+fn a_session_state_restored_into_a_tumbling_job_is_refused() {
+    let sessions = spec("kind = \"session\"\ngap = \"5m\"", "0s", "10m", None);
+    let mut e = engine(&sessions);
+    step(&mut e, &[rec("a", 0, "1", 1)], 0, &mut Run::default());
+    let bytes = e.snapshot().unwrap();
+    let tumbling = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10m", None);
+    let err = WindowEngine::restore(tumbling, EngineConfig::default(), &bytes).unwrap_err();
+    assert!(err.message().contains("sessions"), "{}", err.message());
 }
 
 #[test]
