@@ -457,13 +457,54 @@ pub(crate) fn apply(
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Session {
     pub end: i64,
-    pub acc: Vec<i64>,
+    pub acc: SessionAcc,
     pub meta: WindowMeta,
 }
+
+/// A session's accumulator: in place up to eight words (a job of two or three
+/// aggregates), so that a new session allocates nothing. Serialised as a sequence, as the
+/// `Vec` it replaced was: the snapshot format is unchanged.
+pub(crate) type SessionAcc = SmallVec<[i64; 8]>;
 
 /// The sessions of one key, sorted by start and disjoint (one's end at most the next's
 /// start); most keys hold one, in place.
 pub(crate) type SessionList = SmallVec<[(i64, Session); 1]>;
+
+/// A key's session state: its sessions, and the end of its latest retired session
+/// (`i64::MIN` for none), before which its records are late, so that a retired session is
+/// never recreated. One cache line, read ahead of a chunk of records (see
+/// `touch_sessions`).
+#[derive(Debug, Clone)]
+#[repr(align(64))]
+pub(crate) struct KeySessions {
+    pub frontier: i64,
+    pub list: SessionList,
+}
+
+impl Default for KeySessions {
+    fn default() -> Self {
+        Self {
+            frontier: i64::MIN,
+            list: SessionList::new(),
+        }
+    }
+}
+
+/// Reads the state of each key in `keys` (its line, then its newest session's
+/// accumulator), so that the loop over the same records after it finds them in cache.
+#[inline]
+fn touch_sessions(sessions: &[KeySessions], keys: impl Iterator<Item = u32> + Clone) -> i64 {
+    let lines = keys.clone().fold(0, |seen, k| {
+        seen ^ sessions.get(k as usize).map_or(0, |s| s.frontier)
+    });
+    keys.fold(lines, |seen, k| {
+        let acc = sessions
+            .get(k as usize)
+            .and_then(|s| s.list.last())
+            .and_then(|s| s.1.acc.first());
+        seen ^ acc.copied().unwrap_or(0)
+    })
+}
 
 /// A session job's pending timer: due at `at`. The derived order is by time, then the
 /// firing order of the timers due at one time ([`Timer::firing_order`]).
@@ -574,12 +615,9 @@ pub struct WindowEngine {
     /// Per slab slot, whether its pane changed since the last fire.
     pub(crate) pane_dirty: Vec<bool>,
     pub(crate) free: Vec<u32>,
-    /// Session jobs: per key id, its sessions (dense by key id, as `key_windows`; empty
-    /// for tumbling and sliding jobs).
-    pub(crate) sessions: Vec<SessionList>,
-    /// Session jobs: per key id, the end of its latest retired session (`i64::MIN` for
-    /// none): records before it are late, so a retired session is never recreated.
-    pub(crate) session_frontier: Vec<i64>,
+    /// Session jobs: per key id, its sessions and their frontier (dense by key id, as
+    /// `key_windows`; empty for tumbling and sliding jobs).
+    pub(crate) sessions: Vec<KeySessions>,
     /// Session jobs' timers, earliest first (a session's start is its own, so its timers
     /// are not derived from shared window starts as `window_timers` are). A timer whose
     /// session has since changed its end is stale, and skipped when due.
@@ -687,7 +725,6 @@ impl WindowEngine {
             pane_dirty: Vec::new(),
             free: Vec::new(),
             sessions: Vec::new(),
-            session_frontier: Vec::new(),
             timers: BinaryHeap::new(),
             window_timers: WindowTimers::default(),
             dirty_panes: Vec::new(),
@@ -782,8 +819,7 @@ impl WindowEngine {
         let kg = self.key_group_of(key);
         self.key_group.push(kg);
         if self.is_session() {
-            self.sessions.push(SessionList::new());
-            self.session_frontier.push(i64::MIN);
+            self.sessions.push(KeySessions::default());
         } else {
             self.key_windows.push(WindowList::new());
         }
@@ -1064,10 +1100,15 @@ impl WindowEngine {
         if !self.is_session() {
             self.find_newest_panes(&mut routed, cols.time);
         }
-        // The accumulators of a chunk of records whose pane was found are read ahead (see
-        // `touch_slab`), then applied from cache.
+        // The accumulators of a chunk of records whose pane was found (or the session
+        // state of their keys) are read ahead (see `touch_slab`), then applied from cache.
+        let session = self.is_session();
         for chunk in routed.chunks(READ_AHEAD) {
-            std::hint::black_box(touch_slab(&self.slab, chunk.iter().map(|r| r.slab)));
+            if session {
+                std::hint::black_box(touch_sessions(&self.sessions, chunk.iter().map(|r| r.key)));
+            } else {
+                std::hint::black_box(touch_slab(&self.slab, chunk.iter().map(|r| r.slab)));
+            }
             for &r in chunk {
                 let (row, key_id, wm) = (r.row as usize, r.key, r.wm);
                 let t = cols.time.value(row);
@@ -1250,11 +1291,12 @@ impl WindowEngine {
     fn add_to_session(&mut self, key: u32, t: i64, delta: &[i64], wm: i64) -> bool {
         let gap = self.spec.window.span_us();
         let lateness = self.lateness_us;
-        if t < self.session_frontier[key as usize] {
+        let state = &mut self.sessions[key as usize];
+        if t < state.frontier {
             return false;
         }
         let layout = &self.layout;
-        let sessions = &mut self.sessions[key as usize];
+        let sessions = &mut state.list;
         let mut start = t;
         let mut end = t.saturating_add(gap);
         // The sessions that overlap [t, t + gap): sorted and disjoint, they are the run
@@ -1287,7 +1329,7 @@ impl WindowEngine {
         }
         // Otherwise the record starts a session, or extends or bridges sessions into one
         // of a new identity; those already emitted are retracted.
-        let mut acc = layout.empty();
+        let mut acc = SessionAcc::from_slice(&self.empty_acc);
         layout.merge(&mut acc, delta);
         let mut any_closed = false;
         let mut retractions = Vec::new();
@@ -1548,12 +1590,11 @@ impl WindowEngine {
                 }
                 TimerKind::Retire if end.saturating_add(self.lateness_us) == at => {
                     self.emit(key, start, Completeness::Corrected, wm, now, out);
-                    let sessions = &mut self.sessions[key as usize];
-                    if let Ok(i) = seek(sessions, start, |s| s.0) {
-                        sessions.remove(i);
+                    let state = &mut self.sessions[key as usize];
+                    if let Ok(i) = seek(&state.list, start, |s| s.0) {
+                        state.list.remove(i);
                     }
-                    let frontier = &mut self.session_frontier[key as usize];
-                    *frontier = (*frontier).max(end);
+                    state.frontier = state.frontier.max(end);
                 }
                 _ => {}
             }
@@ -1624,11 +1665,10 @@ impl WindowEngine {
     /// or changed since its last emission (corrected), then drops them all, as their
     /// timers would at an infinite watermark, in one walk by key.
     fn end_sessions(&mut self, wm: i64, now: i64, out: &mut Emissions) {
-        out.reserve(self.sessions.iter().map(|l| l.len()).sum());
-        for (key, list) in self.sessions.iter_mut().enumerate() {
-            let frontier = &mut self.session_frontier[key];
-            for (start, s) in std::mem::take(list) {
-                *frontier = (*frontier).max(s.end);
+        out.reserve(self.sessions.iter().map(|k| k.list.len()).sum());
+        for (key, state) in self.sessions.iter_mut().enumerate() {
+            for (start, s) in std::mem::take(&mut state.list) {
+                state.frontier = state.frontier.max(s.end);
                 let completeness = match (s.meta.closed, s.meta.dirty) {
                     (false, _) => Completeness::OnTime,
                     (true, true) => Completeness::Corrected,
@@ -1654,12 +1694,12 @@ impl WindowEngine {
 
     /// Session `start` of `key`, if open.
     pub(crate) fn session(&self, key: u32, start: i64) -> Option<&Session> {
-        let sessions = self.sessions.get(key as usize)?;
+        let sessions = &self.sessions.get(key as usize)?.list;
         seek(sessions, start, |s| s.0).ok().map(|i| &sessions[i].1)
     }
 
     fn session_mut(&mut self, key: u32, start: i64) -> Option<&mut Session> {
-        let sessions = self.sessions.get_mut(key as usize)?;
+        let sessions = &mut self.sessions.get_mut(key as usize)?.list;
         let i = seek(sessions, start, |s| s.0).ok()?;
         Some(&mut sessions[i].1)
     }
@@ -1825,6 +1865,18 @@ fn identity_hash(columns: &[&StringArray], row: usize, buf: &mut Vec<u8>) -> u12
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Checkpoints written when a session's accumulator was a `Vec` restore into the
+    /// in-place one: both serialise to the same bytes.
+    #[test]
+    fn a_session_accumulator_serialises_as_a_vec_did() {
+        for values in [vec![], vec![1i64, -2, i64::MAX], (0..12).collect()] {
+            let acc = SessionAcc::from_slice(&values);
+            let bytes = postcard::to_allocvec(&values).unwrap();
+            assert_eq!(postcard::to_allocvec(&acc).unwrap(), bytes);
+            assert_eq!(postcard::from_bytes::<SessionAcc>(&bytes).unwrap(), acc);
+        }
+    }
 
     /// Checkpoints hold identity digests: the one-shot digest must equal the streaming one
     /// earlier builds wrote.

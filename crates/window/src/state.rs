@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, MAX_PANES, NO_SLAB, Session, SessionList, SessionTimer, Timer, TimerKind, Window,
-    WindowEngine, WindowList, WindowMeta, pane_window_bounds,
+    EngineConfig, KeySessions, MAX_PANES, NO_SLAB, Session, SessionAcc, SessionTimer, Timer,
+    TimerKind, Window, WindowEngine, WindowList, WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -179,11 +179,11 @@ impl WindowEngine {
         let remap = |id: u32| keep.get(id as usize).copied().flatten();
         // Key ids map to new ids in order: these come out sorted by key.
         let session_frontier: Vec<(u32, i64)> = self
-            .session_frontier
+            .sessions
             .iter()
             .enumerate()
-            .filter(|(_, f)| **f != i64::MIN)
-            .filter_map(|(k, f)| remap(k as u32).map(|k| (k, *f)))
+            .filter(|(_, s)| s.frontier != i64::MIN)
+            .filter_map(|(k, s)| remap(k as u32).map(|k| (k, s.frontier)))
             .collect();
         // Panes on one thread, windows and timers on another: the big columns are built
         // side by side.
@@ -263,7 +263,7 @@ impl WindowEngine {
             .sessions
             .iter()
             .enumerate()
-            .filter_map(|(k, list)| remap(k as u32).map(|k| (k, list)))
+            .filter_map(|(k, state)| remap(k as u32).map(|k| (k, &state.list)))
             .flat_map(|(k, list)| list.iter().map(move |(s, v)| (k, *s, v.clone())))
             .collect();
         let pairs = |v: &[(u32, i64)]| -> Vec<(u32, i64)> {
@@ -489,8 +489,8 @@ impl WindowEngine {
             self.key_windows
                 .resize_with(self.keys.len(), WindowList::new);
         } else {
-            self.sessions.resize_with(self.keys.len(), SessionList::new);
-            self.session_frontier.resize(self.keys.len(), i64::MIN);
+            self.sessions
+                .resize_with(self.keys.len(), KeySessions::default);
         }
         let id = |k: u32| ids.get(k as usize).copied();
         let first_slab = self.slab.len() as u32;
@@ -576,12 +576,12 @@ impl WindowEngine {
         // Sorted by (key, start): each list is filled in order.
         for (k, start, session) in state.sessions {
             if let Some(key) = id(k) {
-                self.sessions[key as usize].push((start, session));
+                self.sessions[key as usize].list.push((start, session));
             }
         }
         for (k, f) in state.session_frontier {
             if let Some(key) = id(k) {
-                self.session_frontier[key as usize] = f;
+                self.sessions[key as usize].frontier = f;
             }
         }
         for (list, target) in [
@@ -629,17 +629,22 @@ impl WindowEngine {
         let timers = session_timers + self.window_timers.len();
         let timer_bytes = self.timers.capacity() * std::mem::size_of::<SessionTimer>()
             + self.window_timers.heap_bytes();
-        // Per key a list holding one session in place, and its frontier; per session its
-        // accumulator on the heap, and the place of any beyond the first.
-        let session_count: usize = self.sessions.iter().map(|l| l.len()).sum();
-        let session_bytes = self.sessions.capacity() * std::mem::size_of::<SessionList>()
-            + self.session_frontier.capacity() * 8
-            + session_count * stride_bytes
+        // Per key its frontier and a list holding one session in place; per session its
+        // accumulator, on the heap only when too wide to be held in place, and the place
+        // of any session beyond the first.
+        let session_count: usize = self.sessions.iter().map(|s| s.list.len()).sum();
+        let spilled_acc = SessionAcc::new().inline_size() < self.layout.stride;
+        let session_bytes = self.sessions.capacity() * std::mem::size_of::<KeySessions>()
+            + if spilled_acc {
+                session_count * stride_bytes
+            } else {
+                0
+            }
             + self
                 .sessions
                 .iter()
-                .filter(|l| l.spilled())
-                .map(|l| l.capacity() * std::mem::size_of::<(i64, Session)>())
+                .filter(|s| s.list.spilled())
+                .map(|s| s.list.capacity() * std::mem::size_of::<(i64, Session)>())
                 .sum::<usize>();
         StateSize {
             keys: self.keys.len(),
