@@ -461,8 +461,9 @@ pub(crate) struct Session {
     pub meta: WindowMeta,
 }
 
-/// A session's accumulator: in place up to eight words (a job of two or three
-/// aggregates), so that a new session allocates nothing. Serialised as a sequence, as the
+/// A session's accumulator: in place up to eight words (three slots of its own, one per
+/// count, two per sum, minimum, maximum or average: `withdrawals` needs eight), so that a
+/// new session allocates nothing. Serialised as a sequence, as the
 /// `Vec` it replaced was: the snapshot format is unchanged.
 pub(crate) type SessionAcc = SmallVec<[i64; 8]>;
 
@@ -472,8 +473,8 @@ pub(crate) type SessionList = SmallVec<[(i64, Session); 1]>;
 
 /// A key's session state: its sessions, and the end of its latest retired session
 /// (`i64::MIN` for none), before which its records are late, so that a retired session is
-/// never recreated. One cache line, read ahead of a chunk of records (see
-/// `touch_sessions`).
+/// never recreated. Two cache lines (the frontier and the list, whose one session holds
+/// its accumulator in place), read ahead of a chunk of records (see `touch_sessions`).
 #[derive(Debug, Clone)]
 #[repr(align(64))]
 pub(crate) struct KeySessions {
@@ -490,7 +491,7 @@ impl Default for KeySessions {
     }
 }
 
-/// Reads the state of each key in `keys` (its line, then its newest session's
+/// Reads the state of each key in `keys` (its frontier, then its newest session's
 /// accumulator), so that the loop over the same records after it finds them in cache.
 #[inline]
 fn touch_sessions(sessions: &[KeySessions], keys: impl Iterator<Item = u32> + Clone) -> i64 {

@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, KeySessions, MAX_PANES, NO_SLAB, Session, SessionAcc, SessionTimer, Timer,
-    TimerKind, Window, WindowEngine, WindowList, WindowMeta, pane_window_bounds,
+    EngineConfig, KeySessions, MAX_PANES, NO_SLAB, Session, SessionTimer, Timer, TimerKind, Window,
+    WindowEngine, WindowList, WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -605,7 +605,6 @@ impl WindowEngine {
 
     /// The state held now.
     pub fn state_size(&self) -> StateSize {
-        let stride_bytes = self.layout.stride * 8;
         let record_bytes = self.slab.record_bytes();
         // Per key: its key group, and its entry and bytes in the key table.
         let key_bytes = self.key_group.capacity() * 2 + self.keys.heap_bytes();
@@ -633,18 +632,24 @@ impl WindowEngine {
         // accumulator, on the heap only when too wide to be held in place, and the place
         // of any session beyond the first.
         let session_count: usize = self.sessions.iter().map(|s| s.list.len()).sum();
-        let spilled_acc = SessionAcc::new().inline_size() < self.layout.stride;
         let session_bytes = self.sessions.capacity() * std::mem::size_of::<KeySessions>()
-            + if spilled_acc {
-                session_count * stride_bytes
-            } else {
-                0
-            }
             + self
                 .sessions
                 .iter()
-                .filter(|s| s.list.spilled())
-                .map(|s| s.list.capacity() * std::mem::size_of::<(i64, Session)>())
+                .map(|s| {
+                    let list = if s.list.spilled() {
+                        s.list.capacity() * std::mem::size_of::<(i64, Session)>()
+                    } else {
+                        0
+                    };
+                    let accs: usize = s
+                        .list
+                        .iter()
+                        .filter(|(_, v)| v.acc.spilled())
+                        .map(|(_, v)| v.acc.capacity() * 8)
+                        .sum();
+                    list + accs
+                })
                 .sum::<usize>();
         StateSize {
             keys: self.keys.len(),
