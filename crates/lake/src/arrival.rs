@@ -15,6 +15,7 @@
 //! many commits and a new sequence number: it contributes only after its last arrival, so
 //! around compacted data the recovered watermark can differ from the live one.
 
+use iceberg::scan::FileScanTask;
 use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};
 use signalweave_model::ErrorKind;
 
@@ -288,6 +289,17 @@ impl FileSpans {
                 (share / span + i128::from(share % span != 0)) as u64
             })
             .sum()
+    }
+
+    /// [`FileSpans::estimate`] of a planned read's tasks.
+    pub fn estimate_tasks(&self, tasks: &[FileScanTask], from_us: i64, to_us: i64) -> u64 {
+        self.estimate(
+            tasks
+                .iter()
+                .map(|t| (t.data_file_path.as_str(), t.record_count.unwrap_or(0))),
+            from_us,
+            to_us,
+        )
     }
 }
 

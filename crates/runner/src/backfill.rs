@@ -746,13 +746,7 @@ pub async fn create(
                     .plan_time_range(LakeTable::Events, a - lead_in, b, snapshot_id)
                     .await?
                     .tasks;
-                spans.estimate(
-                    tasks
-                        .iter()
-                        .map(|t| (t.data_file_path.as_str(), t.record_count.unwrap_or(0))),
-                    a - lead_in,
-                    b,
-                )
+                spans.estimate_tasks(&tasks, a - lead_in, b)
             }
             None => 0,
         };
@@ -1356,14 +1350,11 @@ impl Running {
         // each file's span of event time, and of the key groups), not for the whole files
         // read: sized from the files, it took about twice the memory, every page of it
         // faulted in on first use. An estimate short of what comes grows the set.
-        let expected = self.spans.estimate(
-            tasks
-                .iter()
-                .map(|t| (t.data_file_path.as_str(), t.record_count.unwrap_or(0))),
-            sub.from_us - self.record.lead_in_us,
-            sub.to_us,
-        ) * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
-            / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
+        let expected =
+            self.spans
+                .estimate_tasks(&tasks, sub.from_us - self.record.lead_in_us, sub.to_us)
+                * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
+                / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
         engine.reserve(expected.min(16_000_000) as usize);
         let arrivals = &self.arrivals;
         let mut figures = sub.clone();

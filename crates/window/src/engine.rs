@@ -507,39 +507,6 @@ fn touch_sessions(sessions: &[KeySessions], keys: impl Iterator<Item = u32> + Cl
     })
 }
 
-/// A session job's pending timer: due at `at`. The derived order is by time, then the
-/// firing order of the timers due at one time ([`Timer::firing_order`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct SessionTimer {
-    pub at: i64,
-    pub key: u32,
-    pub start: i64,
-    pub retire: bool,
-}
-
-impl SessionTimer {
-    pub fn new(at: i64, timer: Timer) -> Self {
-        Self {
-            at,
-            key: timer.key,
-            start: timer.start,
-            retire: matches!(timer.kind, TimerKind::Retire),
-        }
-    }
-
-    pub fn timer(&self) -> Timer {
-        Timer {
-            key: self.key,
-            start: self.start,
-            kind: if self.retire {
-                TimerKind::Retire
-            } else {
-                TimerKind::OnTime
-            },
-        }
-    }
-}
-
 /// What a timer does when the watermark reaches its time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum TimerKind {
@@ -561,6 +528,20 @@ impl Timer {
     /// fires alike.
     pub fn firing_order(&self) -> (u32, i64, bool) {
         (self.key, self.start, matches!(self.kind, TimerKind::Retire))
+    }
+}
+
+/// Timers compare in [`Timer::firing_order`] (a session job's timer heap orders by time,
+/// then by this).
+impl Ord for Timer {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.firing_order().cmp(&other.firing_order())
+    }
+}
+
+impl PartialOrd for Timer {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
     }
 }
 
@@ -622,7 +603,7 @@ pub struct WindowEngine {
     /// Session jobs' timers, earliest first (a session's start is its own, so its timers
     /// are not derived from shared window starts as `window_timers` are). A timer whose
     /// session has since changed its end is stale, and skipped when due.
-    pub(crate) timers: BinaryHeap<Reverse<SessionTimer>>,
+    pub(crate) timers: BinaryHeap<Reverse<(i64, Timer)>>,
     /// Tumbling and sliding jobs' timers (one per window, derived from the windows).
     pub(crate) window_timers: WindowTimers,
     pub(crate) dirty_panes: Vec<(u32, i64)>,
@@ -837,7 +818,7 @@ impl WindowEngine {
 
     /// Schedules a session's `timer` at `at`.
     fn schedule(&mut self, at: i64, timer: Timer) {
-        self.timers.push(Reverse(SessionTimer::new(at, timer)));
+        self.timers.push(Reverse((at, timer)));
     }
 
     /// Removes the session timers of the earliest time, if it is at or before `wm`:
@@ -845,9 +826,9 @@ impl WindowEngine {
     /// scheduled meanwhile for the same time are the next call's.
     fn pop_session_timers(&mut self, wm: i64, out: &mut Vec<Timer>) -> Option<i64> {
         out.clear();
-        let at = self.timers.peek().filter(|t| t.0.at <= wm)?.0.at;
-        while let Some(t) = self.timers.peek().filter(|t| t.0.at == at) {
-            out.push(t.0.timer());
+        let Reverse((at, _)) = *self.timers.peek().filter(|t| t.0.0 <= wm)?;
+        while let Some(&Reverse((_, timer))) = self.timers.peek().filter(|t| t.0.0 == at) {
+            out.push(timer);
             self.timers.pop();
         }
         Some(at)

@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use signalweave_model::ErrorKind;
 
 use crate::engine::{
-    EngineConfig, KeySessions, MAX_PANES, NO_SLAB, Session, SessionTimer, Timer, TimerKind, Window,
-    WindowEngine, WindowList, WindowMeta, pane_window_bounds,
+    EngineConfig, KeySessions, MAX_PANES, NO_SLAB, Session, Timer, TimerKind, Window, WindowEngine,
+    WindowList, WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
 use crate::output::OutputRow;
@@ -214,10 +214,11 @@ impl WindowEngine {
                     let mut timers: Vec<(i64, Timer)> = self
                         .timers
                         .iter()
-                        .map(|t| t.0)
-                        .filter_map(|t| remap(t.key).map(|key| (t.at, Timer { key, ..t.timer() })))
+                        .filter_map(|&Reverse((at, t))| {
+                            remap(t.key).map(|key| (at, Timer { key, ..t }))
+                        })
                         .collect();
-                    timers.sort_unstable_by_key(|(at, t)| (*at, t.firing_order()));
+                    timers.sort_unstable();
                     let timer_cols = (
                         put_i64(timers.iter().map(|t| t.0)),
                         put_u32(timers.iter().map(|t| t.1.key)),
@@ -562,7 +563,7 @@ impl WindowEngine {
                         };
                         let start = timer_starts[i];
                         let timer = Timer { key, start, kind };
-                        timers_map.push(Reverse(SessionTimer::new(timer_at[i], timer)));
+                        timers_map.push(Reverse((timer_at[i], timer)));
                     }
                 }
             });
@@ -626,7 +627,7 @@ impl WindowEngine {
             + self.slab.carry_bytes();
         let session_timers = self.timers.len();
         let timers = session_timers + self.window_timers.len();
-        let timer_bytes = self.timers.capacity() * std::mem::size_of::<SessionTimer>()
+        let timer_bytes = self.timers.capacity() * std::mem::size_of::<(i64, Timer)>()
             + self.window_timers.heap_bytes();
         // Per key its frontier and a list holding one session in place; per session its
         // accumulator, on the heap only when too wide to be held in place, and the place
