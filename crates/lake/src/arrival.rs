@@ -30,17 +30,33 @@ pub struct ArrivalWatermarks {
     /// ((largest ingest time, sequence number) of a file, running maximum of event time
     /// up to it), by arrival.
     steps: Vec<((i64, i64), i64)>,
-    /// Sequence number of each data file, by path.
-    sequence: std::collections::HashMap<String, i64>,
+    /// Sequence number of each data file, and the watermark its first record arrived at
+    /// (`i64::MIN` when unknown), by path.
+    files: std::collections::HashMap<String, (i64, i64)>,
     bound_us: i64,
 }
 
+/// What a data file's column statistics tell of its arrival.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArrivedFile {
+    /// The file's path.
+    pub path: String,
+    /// The lowest ingest time of its records (µs), when known.
+    pub first_ingest: Option<i64>,
+    /// The highest ingest time of its records (µs).
+    pub last_ingest: i64,
+    /// Its sequence number.
+    pub sequence: i64,
+    /// The highest event time of its records (µs).
+    pub last_event: i64,
+}
+
 impl ArrivalWatermarks {
-    /// From per-file (path, largest ingest time, sequence number, largest event time).
-    pub fn from_files(files: Vec<(String, i64, i64, i64)>, bound_us: i64) -> Self {
+    /// From the files' statistics.
+    pub fn from_files(files: Vec<ArrivedFile>, bound_us: i64) -> Self {
         let mut keyed: Vec<((i64, i64), i64)> = files
             .iter()
-            .map(|(_, ingest, seq, event)| ((*ingest, *seq), *event))
+            .map(|f| ((f.last_ingest, f.sequence), f.last_event))
             .collect();
         keyed.sort_unstable();
         let mut running = i64::MIN;
@@ -51,21 +67,32 @@ impl ArrivalWatermarks {
                 (arrival, running)
             })
             .collect();
-        let sequence = files
-            .into_iter()
-            .map(|(path, _, seq, _)| (path, seq))
-            .collect();
-        Self {
+        let mut w = Self {
             steps,
-            sequence,
+            files: Default::default(),
             bound_us,
-        }
+        };
+        w.files = files
+            .into_iter()
+            .map(|f| {
+                let first = f.first_ingest.map_or(i64::MIN, |a| w.at(a, f.sequence));
+                (f.path, (f.sequence, first))
+            })
+            .collect();
+        w
     }
 
     /// The sequence number of the data file at `path` (`i64::MAX` when unknown: only
     /// ingest time then orders its records).
     pub fn sequence_of(&self, path: &str) -> i64 {
-        self.sequence.get(path).copied().unwrap_or(i64::MAX)
+        self.files.get(path).map_or(i64::MAX, |f| f.0)
+    }
+
+    /// The lowest watermark a record of the data file at `path` arrived at: the one its
+    /// first record (by ingest time) arrived at, since the watermark never goes back.
+    /// `i64::MIN` when the file's lowest ingest time is unknown.
+    pub fn first_of(&self, path: &str) -> i64 {
+        self.files.get(path).map_or(i64::MIN, |f| f.1)
     }
 
     /// The watermark a reader had just before a record ingested at `ingest_us` in the
@@ -182,12 +209,13 @@ impl Lake {
             .iter()
             .filter_map(|(f, seq)| {
                 let upper = f.upper_bounds();
-                Some((
-                    f.file_path().to_string(),
-                    upper.get(&arrival_id).and_then(micros)?,
-                    *seq,
-                    upper.get(&event_id).and_then(micros)?,
-                ))
+                Some(ArrivedFile {
+                    path: f.file_path().to_string(),
+                    first_ingest: f.lower_bounds().get(&arrival_id).and_then(micros),
+                    last_ingest: upper.get(&arrival_id).and_then(micros)?,
+                    sequence: *seq,
+                    last_event: upper.get(&event_id).and_then(micros)?,
+                })
             })
             .collect();
         let spans = files
@@ -310,7 +338,13 @@ mod tests {
     #[test]
     fn the_watermark_steps_after_each_file_and_never_goes_back() {
         // (largest ingest, sequence, largest event time): the third file is late data.
-        let f = |p: &str, a, s, t| (p.to_string(), a, s, t);
+        let f = |p: &str, a, s, t| ArrivedFile {
+            path: p.to_string(),
+            first_ingest: Some(a - 3),
+            last_ingest: a,
+            sequence: s,
+            last_event: t,
+        };
         let w = ArrivalWatermarks::from_files(
             vec![f("c", 30, 3, 1_000), f("a", 10, 1, 500), f("b", 20, 2, 100)],
             5,
@@ -321,6 +355,12 @@ mod tests {
         assert_eq!(w.at(21, 0), 495, "late data does not move it back");
         assert_eq!(w.at(31, 0), 995);
         assert_eq!(w.files(), 3);
+        // A file's first record arrived (ingest 3 before its last) after the files
+        // whose last arrival was before it.
+        assert_eq!(w.first_of("a"), i64::MIN);
+        assert_eq!(w.first_of("b"), 495);
+        assert_eq!(w.first_of("c"), 495);
+        assert_eq!(w.first_of("unknown"), i64::MIN);
         // One clock for a whole load: commit order decides.
         let w = ArrivalWatermarks::from_files(
             vec![f("x", 7, 1, 100), f("y", 7, 2, 200), f("z", 7, 3, 50)],
@@ -372,7 +412,13 @@ mod tests {
             records in proptest::collection::vec((0i64..55, 0i64..5), 0..60),
         ) {
             let w = ArrivalWatermarks::from_files(
-                files.iter().enumerate().map(|(i, &(a, s, t))| (format!("f{i}"), a, s, t)).collect(),
+                files.iter().enumerate().map(|(i, &(a, s, t))| ArrivedFile {
+                    path: format!("f{i}"),
+                    first_ingest: (i % 3 != 0).then_some(a - i as i64 % 5),
+                    last_ingest: a,
+                    sequence: s,
+                    last_event: t,
+                }).collect(),
                 3,
             );
             let mut cursor = w.cursor();
@@ -380,6 +426,17 @@ mod tests {
             sorted.sort_unstable();
             for (ingest, seq) in records.into_iter().chain(sorted) {
                 proptest::prop_assert_eq!(cursor.at(ingest, seq), w.at(ingest, seq));
+            }
+            // No record of a file arrives below the file's first watermark.
+            for (i, &(a, s, _)) in files.iter().enumerate() {
+                let path = format!("f{i}");
+                let first = if i % 3 != 0 { a - i as i64 % 5 } else { i64::MIN };
+                for ingest in first.max(a - 6)..=a {
+                    proptest::prop_assert!(w.first_of(&path) <= w.at(ingest, s));
+                }
+                if i % 3 != 0 {
+                    proptest::prop_assert_eq!(w.first_of(&path), w.at(first, s));
+                }
             }
         }
     }

@@ -20,14 +20,15 @@
 //! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions,
 //! which may have started that long before) makes the first windows complete.
 //!
-//! Records are fed in file order to a fresh engine that judges each record's lateness by
-//! the watermark the live job had when the record arrived ([`EngineConfig::watermark_column`],
-//! from [`Lake::file_statistics`]: the largest event time of the files committed before
-//! its `ingest_time`, minus the out-of-orderness bound). A record is beyond allowed
-//! lateness when that watermark had passed its last window's end plus the allowed
-//! lateness, as it was for the live job. The
+//! Records are fed file by file, in order of arrival, to a fresh engine that judges each
+//! record's lateness by the watermark the live job had when the record arrived
+//! ([`EngineConfig::watermark_column`], from [`Lake::file_statistics`]: the largest event
+//! time of the files committed before its `ingest_time`, minus the out-of-orderness
+//! bound). A record is beyond allowed lateness when that watermark had passed its last
+//! window's end plus the allowed lateness, as it was for the live job; of two copies of
+//! one dedup identity, the first to arrive counts, as it did for the live job. The
 //! engine's watermark does not move until the end of the sub-range, where every window
-//! fires once, so the outputs do not depend on file order or batch sizes. Each window
+//! fires once, so the outputs do not depend on batch sizes. Each window
 //! gets one version (`on_time`, or `partial`) whose `watermark` is the sub-range's end.
 //!
 //! A sub-range completes atomically: its outputs are one append to the namespace's output
@@ -1346,17 +1347,33 @@ impl Running {
                     .tasks
             }
         };
+        let arrivals = &self.arrivals;
+        // Files in order of arrival (of their first records), as the live job read them:
+        // of two copies of one identity the first to arrive counts. The watermark a file's
+        // first record arrived at is then a floor for every record still to come, so the
+        // dedup set drops the identities that expire by then rather than grow (see
+        // `WindowEngine::set_dedup_floor`).
+        let mut tasks = tasks;
+        tasks.sort_by_cached_key(|t| {
+            (
+                arrivals.first_of(&t.data_file_path),
+                arrivals.sequence_of(&t.data_file_path),
+            )
+        });
         // The dedup set is sized for the records expected in the sub-range (its share of
         // each file's span of event time, and of the key groups), not for the whole files
         // read: sized from the files, it took about twice the memory, every page of it
-        // faulted in on first use. An estimate short of what comes grows the set.
-        let expected =
-            self.spans
-                .estimate_tasks(&tasks, sub.from_us - self.record.lead_in_us, sub.to_us)
-                * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
-                / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
+        // faulted in on first use. It need hold no more than the records of two horizons,
+        // since a floor lets it drop what expires. An estimate short of what comes grows
+        // the set.
+        let read_from = sub.from_us - self.record.lead_in_us;
+        let held_to = read_from
+            .saturating_add(self.spec.dedup_horizon_us().saturating_mul(2))
+            .min(sub.to_us);
+        let expected = self.spans.estimate_tasks(&tasks, read_from, held_to)
+            * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
+            / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
         engine.reserve(expected.min(16_000_000) as usize);
-        let arrivals = &self.arrivals;
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
@@ -1367,6 +1384,7 @@ impl Running {
         for task in tasks {
             let bytes = task.length;
             let sequence = arrivals.sequence_of(&task.data_file_path);
+            engine.set_dedup_floor(arrivals.first_of(&task.data_file_path));
             self.throttle.admit_bytes(bytes).await;
             figures.bytes_read += bytes;
             bytes_counter.inc_by(bytes);
@@ -1568,15 +1586,20 @@ fn with_arrival_watermark(
                 format!("events lack the arrival column {ARRIVAL_COLUMN}"),
             )
         })?;
-    // Every slot is computed (a null's too, harmlessly) and the nulls are kept.
+    // A record's arrival bounds the watermark it is judged by from below, as the dedup
+    // floor relies on: one without it cannot be judged as the live job judged it.
+    if arrival.null_count() > 0 {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "{} events lack their arrival time ({ARRIVAL_COLUMN} is null)",
+                arrival.null_count()
+            ),
+        ));
+    }
     let mut cursor = arrivals.cursor();
-    let wm = arrow::array::Int64Array::new(
-        arrival
-            .values()
-            .iter()
-            .map(|&a| cursor.at(a, sequence))
-            .collect(),
-        arrival.nulls().cloned(),
+    let wm = arrow::array::Int64Array::from_iter_values(
+        arrival.values().iter().map(|&a| cursor.at(a, sequence)),
     );
     let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
     fields.push(Arc::new(arrow::datatypes::Field::new(
@@ -1632,6 +1655,51 @@ pub fn has_live_runner(record: &BackfillRecord, stale: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_record_gets_the_watermark_it_arrived_at_and_one_without_an_arrival_is_refused() {
+        use arrow::array::{AsArray, TimestampMicrosecondArray};
+        use arrow::datatypes::{DataType, Field, Int64Type, Schema, TimeUnit};
+        use signalweave_lake::ArrivedFile;
+
+        // Two files, the second arriving at 20 after the first (events up to 1,000).
+        let file = |path: &str, first, last, sequence, last_event| ArrivedFile {
+            path: path.into(),
+            first_ingest: Some(first),
+            last_ingest: last,
+            sequence,
+            last_event,
+        };
+        let arrivals = signalweave_lake::ArrivalWatermarks::from_files(
+            vec![file("a", 0, 10, 1, 1_000), file("b", 20, 30, 2, 2_000)],
+            100,
+        );
+        let batch = |ingest: Vec<Option<i64>>| {
+            let schema = Schema::new(vec![Field::new(
+                ARRIVAL_COLUMN,
+                DataType::Timestamp(TimeUnit::Microsecond, None),
+                true,
+            )]);
+            RecordBatch::try_new(
+                Arc::new(schema),
+                vec![Arc::new(TimestampMicrosecondArray::from(ingest))],
+            )
+            .unwrap()
+        };
+        let out = with_arrival_watermark(&batch(vec![Some(25), Some(20)]), &arrivals, 2).unwrap();
+        let wm = out.column_by_name(ROW_WATERMARK).unwrap();
+        assert_eq!(wm.as_primitive::<Int64Type>().values(), &[900, 900]);
+        assert!(
+            arrivals.first_of("b") <= 900,
+            "the file's floor is below its records'"
+        );
+        let e = with_arrival_watermark(&batch(vec![Some(25), None]), &arrivals, 2).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(
+            e.to_string().contains("1 events lack their arrival time"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn slices_align_to_multiples_of_the_slice() {

@@ -614,6 +614,8 @@ pub struct WindowEngine {
     pub(crate) pending: Emissions,
     pub(crate) dedup: DedupSet,
     pub(crate) dedup_swept_at: i64,
+    /// A watermark no record to come is judged below (see [`Self::set_dedup_floor`]).
+    dedup_floor: i64,
     pub(crate) watermarks: Watermarks,
     pub(crate) next_early_at: Option<i64>,
     key_buf: String,
@@ -715,6 +717,7 @@ impl WindowEngine {
             pending: Emissions::default(),
             dedup: DedupSet::default(),
             dedup_swept_at: i64::MIN,
+            dedup_floor: i64::MIN,
             next_early_at: None,
             key_buf: String::new(),
             id_buf: Vec::new(),
@@ -750,6 +753,16 @@ impl WindowEngine {
     /// knows how many it will read; growing the table as it goes rehashes it repeatedly).
     pub fn reserve(&mut self, records: usize) {
         self.dedup.reserve(records);
+    }
+
+    /// Promises that no record from now on is judged by a watermark below `floor` (its
+    /// row's, or the engine's). The dedup set then drops identities that expire by
+    /// `floor` before it grows, so it holds about what the horizon holds. A backfill,
+    /// whose engine watermark stands still until the end of a sub-range while each row
+    /// carries the watermark it arrived at, knows such a floor from the files it has yet
+    /// to read; the engine's own watermark is one anyway.
+    pub fn set_dedup_floor(&mut self, floor: i64) {
+        self.dedup_floor = self.dedup_floor.max(floor);
     }
 
     /// The end of the latest window a record at event time `t` belongs to, µs: its pane's
@@ -1038,7 +1051,8 @@ impl WindowEngine {
         // identity's first probe is known: a chunk's slots are read in a loop of their own
         // (see `DedupSet::touch`), then observed from cache.
         let candidates = routed.len();
-        self.dedup.make_room(candidates);
+        self.dedup
+            .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
         let mut kept = 0;
         let mut from = 0;
         while from < candidates {
