@@ -262,22 +262,26 @@ impl DedupSet {
         let Some(start) = slots.iter().position(|s| s.id == 0) else {
             return;
         };
-        for slot in slots.iter_mut() {
-            if slot.id != 0 && !keep(slot.expires, slot.group) {
-                *slot = Slot::default();
-                self.len -= 1;
-            }
-        }
-        // Removals cut probe sequences: take each survivor out and put it back at the
-        // first free slot from its home, which is at or before where it was.
-        for step in 1..=n {
-            let at = (start + step) % n;
+        // One walk. A removal cuts the probe sequences through its slot, so each survivor
+        // after it in the same run of held slots is taken out and put back at the first
+        // free slot from its home, which is at or before where it was. Survivors in a run
+        // with no removal before them, or at their home, stay. An empty slot ahead of the
+        // walk was empty before it (survivors only move back), and ends a run.
+        let mut cut = false;
+        let mut at = start;
+        for _ in 0..n {
+            at = next(at, n);
             let slot = slots[at];
             if slot.id == 0 {
-                continue;
+                cut = false;
+            } else if !keep(slot.expires, slot.group) {
+                slots[at] = Slot::default();
+                self.len -= 1;
+                cut = true;
+            } else if cut && home(slot.id, n) != at {
+                slots[at] = Slot::default();
+                place(slots, slot);
             }
-            slots[at] = Slot::default();
-            place(slots, slot);
         }
     }
 
@@ -464,6 +468,35 @@ mod tests {
         // About 10,100 identities are live at once: the set stays within 8 times that.
         assert!(most <= 8 * 10_100, "{most} slots");
         assert!(plain.slots.get().len() >= 1_000_000);
+    }
+
+    #[test]
+    fn a_sweep_at_the_floor_drops_what_expires_by_it_and_keeps_what_expires_after() {
+        let mut set = DedupSet::default();
+        set.make_room(1, i64::MIN);
+        let slots = set.slots.get().len();
+        let floor = 1_000;
+        // Half the slots: the next batch sweeps. Identities 1..: expiring at the floor
+        // (even) or just after it (odd).
+        let of = |i: u64| u128::from(i).wrapping_mul(SPREAD);
+        let held = slots as u64 / 2;
+        for i in 1..=held {
+            set.insert(of(i), floor + (i % 2) as i64, 0);
+        }
+        set.make_room(1, floor);
+        assert_eq!(set.slots.get().len(), slots, "swept, not grown");
+        assert_eq!(
+            set.len() as u64,
+            held / 2,
+            "the ones expiring at the floor dropped"
+        );
+        for i in 1..=held {
+            assert_eq!(
+                set.observe(of(i), floor + 5, 0, floor),
+                i % 2 == 1,
+                "identity {i}"
+            );
+        }
     }
 
     proptest! {

@@ -58,7 +58,9 @@ pub struct EngineConfig {
     /// column (µs) holding, per record, the watermark a live reader had when the record
     /// arrived. A record is late when that watermark had passed its last window's end plus
     /// the allowed lateness (or its dedup horizon), whatever order the records are
-    /// processed in. The engine's own watermark still applies when it is later.
+    /// processed in. The engine's own watermark still applies when it is later. (Of two
+    /// copies of one dedup identity, the one processed first counts; and a dedup floor,
+    /// see [`WindowEngine::set_dedup_floor`], refuses records below it.)
     pub watermark_column: Option<String>,
 }
 
@@ -973,6 +975,17 @@ impl WindowEngine {
                 Some(a) if !a.is_null(row) => wm.max(a.value(row)),
                 _ => wm,
             };
+            if wm < self.dedup_floor {
+                // The caller broke its promise: identities this record could repeat may
+                // have been dropped already.
+                return Err(WindowError::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "row {row} is judged by watermark {wm}, below the dedup floor {} promised",
+                        self.dedup_floor
+                    ),
+                ));
+            }
             match cols.input {
                 Some(c) => {
                     let name = if c.is_null(row) { "" } else { c.value(row) };

@@ -529,3 +529,97 @@ fn the_end_of_input_emits_each_window_once_more_only_if_due() {
     assert_eq!(e.state_size().panes, 0);
     assert_eq!(e.state_size().timers, 0);
 }
+
+/// A backfill reads files in order of arrival and promises, per file, a floor no record
+/// to come is judged below: the dedup set then drops what expires by it instead of
+/// growing. The outputs, duplicates and late records are those of a run without floors,
+/// while the set stays smaller; a record below a promised floor is refused.
+#[test]
+fn a_dedup_floor_changes_no_output_and_bounds_the_set() {
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10s", None);
+    let horizon = spec.dedup_horizon_us();
+    let config = EngineConfig {
+        watermark_column: Some("wm".into()),
+        ..EngineConfig::default()
+    };
+    let with_watermark = |recs: &[Rec], wm: i64| {
+        let b = batch(recs);
+        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
+        fields.push(Field::new("wm", DataType::Int64, true));
+        let mut columns = b.columns().to_vec();
+        columns.push(Arc::new(Int64Array::from(vec![wm; recs.len()])));
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+    };
+    // 40 files of 400 records, each spanning 20 minutes after the one before; a file's
+    // records arrived at the watermark of its start. Every 5th record repeats one from
+    // 3 s to 2 h before it: inside the horizon (1 h 1 min 10 s) or past it.
+    let span = 20 * 60 * S;
+    let files: Vec<(i64, Vec<Rec>)> = (0..40i64)
+        .map(|f| {
+            let recs = (0..400i64)
+                .map(|i| {
+                    let t = f * span + i * (span / 400);
+                    let n = f * 400 + i;
+                    let id = if n % 5 == 4 {
+                        // 1 to 2,400 records (3 s each) back.
+                        let back = n * 7919 % 2_400 + 1;
+                        (n - back).max(0)
+                    } else {
+                        n
+                    };
+                    rec(&format!("m{}", n % 13), t, &format!("e{id}"), n % 100)
+                })
+                .collect();
+            (f * span, recs)
+        })
+        .collect();
+    let mut results = Vec::new();
+    for floors in [false, true] {
+        let mut e = WindowEngine::new(Arc::clone(&spec), config.clone()).unwrap();
+        let (mut duplicates, mut late) = (0, 0);
+        for (wm, recs) in &files {
+            if floors {
+                e.set_dedup_floor(*wm);
+            }
+            let outcome = e
+                .process_batch(&with_watermark(recs, *wm), "src", 0)
+                .unwrap();
+            duplicates += outcome.duplicates;
+            late += outcome.late.len();
+        }
+        let bytes = e.state_size().dedup_bytes;
+        let mut rows: Vec<_> = e
+            .finish(1)
+            .rows()
+            .map(|r| (r.key.clone(), r.window_start, r.events, r.values.clone()))
+            .collect();
+        rows.sort_unstable_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        results.push((rows, duplicates, late, bytes));
+    }
+    let (plain, floored) = (&results[0], &results[1]);
+    assert!(plain.1 > 1_000, "{} duplicates", plain.1);
+    assert_eq!(
+        (&floored.0, floored.1, floored.2),
+        (&plain.0, plain.1, plain.2)
+    );
+    assert!(
+        floored.3 * 4 <= plain.3,
+        "the set held {} bytes with floors, {} without",
+        floored.3,
+        plain.3
+    );
+    // A floor is a promise: a record judged below it is refused.
+    let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
+    e.set_dedup_floor(horizon);
+    let err = e
+        .process_batch(
+            &with_watermark(&[rec("m", S, "x", 1)], horizon - 1),
+            "src",
+            0,
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), signalweave_model::ErrorKind::Internal);
+}
