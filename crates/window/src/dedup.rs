@@ -73,7 +73,7 @@ impl Slots {
 }
 
 /// The identities seen within the dedup horizon. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DedupSet {
     /// Empty, or at most half full.
     slots: Slots,
@@ -81,6 +81,20 @@ pub(crate) struct DedupSet {
     len: usize,
     /// The identity whose digest is `0`, which a slot cannot hold.
     zero: Option<(i64, u16)>,
+    /// No identity held expires before this (`i64::MAX` when none is held), so a sweep
+    /// at a floor below it would find nothing to drop.
+    earliest: i64,
+}
+
+impl Default for DedupSet {
+    fn default() -> Self {
+        Self {
+            slots: Slots::default(),
+            len: 0,
+            zero: None,
+            earliest: i64::MAX,
+        }
+    }
 }
 
 const MIN_SLOTS: usize = 1024;
@@ -148,7 +162,7 @@ impl DedupSet {
         if need(self.len) <= n {
             return;
         }
-        if floor > i64::MIN && n > 0 {
+        if floor >= self.earliest && n > 0 {
             self.retain(|expires, _| expires > floor);
             if need(self.len).saturating_mul(4) <= n.saturating_mul(3) {
                 return;
@@ -187,6 +201,7 @@ impl DedupSet {
                 Some((held, _)) if *held > wm => true,
                 zero => {
                     *zero = Some((expires, group));
+                    self.earliest = self.earliest.min(expires);
                     false
                 }
             };
@@ -205,11 +220,13 @@ impl DedupSet {
                 }
                 slot.expires = expires;
                 slot.group = group;
+                self.earliest = self.earliest.min(expires);
                 return false;
             }
             if slot.id == 0 {
                 *slot = Slot::new(id, expires, group);
                 self.len += 1;
+                self.earliest = self.earliest.min(expires);
                 return false;
             }
             i = next(i, n);
@@ -239,6 +256,7 @@ impl DedupSet {
             self.len = 0;
         }
         self.zero = None;
+        self.earliest = i64::MAX;
     }
 
     /// Whether a sweep can be worth its cost: more than a quarter of the slots are held
@@ -252,6 +270,8 @@ impl DedupSet {
         if self.zero.is_some_and(|(e, g)| !keep(e, g)) {
             self.zero = None;
         }
+        // Recomputed over what is kept.
+        self.earliest = self.zero.map_or(i64::MAX, |(e, _)| e);
         if self.len == 0 {
             return;
         }
@@ -260,6 +280,7 @@ impl DedupSet {
         let slots = self.slots.get_mut();
         let n = slots.len();
         let Some(start) = slots.iter().position(|s| s.id == 0) else {
+            self.earliest = i64::MIN;
             return;
         };
         // One walk. A removal cuts the probe sequences through its slot, so each survivor
@@ -278,9 +299,12 @@ impl DedupSet {
                 slots[at] = Slot::default();
                 self.len -= 1;
                 cut = true;
-            } else if cut && home(slot.id, n) != at {
-                slots[at] = Slot::default();
-                place(slots, slot);
+            } else {
+                self.earliest = self.earliest.min(slot.expires);
+                if cut && home(slot.id, n) != at {
+                    slots[at] = Slot::default();
+                    place(slots, slot);
+                }
             }
         }
     }
