@@ -1363,12 +1363,14 @@ impl Running {
         // The dedup set is sized for the records expected in the sub-range (its share of
         // each file's span of event time, and of the key groups), not for the whole files
         // read: sized from the files, it took about twice the memory, every page of it
-        // faulted in on first use. It need hold no more than the records of two horizons,
-        // since a floor lets it drop what expires. An estimate short of what comes grows
-        // the set.
+        // faulted in on first use. Since a floor lets it drop what expires, it holds the
+        // records of about a horizon plus the file being read, and is kept at most
+        // three-eighths full after a sweep: the records of four horizons leave room for
+        // that without a growth, in which the old and the new set are held at once. An
+        // estimate short of what comes grows the set.
         let read_from = sub.from_us - self.record.lead_in_us;
         let held_to = read_from
-            .saturating_add(self.spec.dedup_horizon_us().saturating_mul(2))
+            .saturating_add(self.spec.dedup_horizon_us().saturating_mul(4))
             .min(sub.to_us);
         let expected = self.spans.estimate_tasks(&tasks, read_from, held_to)
             * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
