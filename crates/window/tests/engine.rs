@@ -413,26 +413,15 @@ fn sub_microsecond_durations_are_refused() {
 /// has passed that window's end plus the allowed lateness; one just before is counted.
 #[test]
 fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
-    use arrow::array::{Int64Array, RecordBatch};
-    use arrow::datatypes::{DataType, Field, Schema};
-
     let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10s", None);
     let config = EngineConfig {
         watermark_column: Some("wm".into()),
         ..EngineConfig::default()
     };
     let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
-    let with_watermarks = |recs: &[Rec], wms: &[Option<i64>]| {
-        let b = batch(recs);
-        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
-        fields.push(Field::new("wm", DataType::Int64, true));
-        let mut columns = b.columns().to_vec();
-        columns.push(Arc::new(Int64Array::from(wms.to_vec())));
-        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
-    };
     // The window [0, 60 s) of key m is created and stays held (the engine's watermark
     // does not move: no fire).
-    let first = with_watermarks(&[rec("m", S, "a", 1)], &[None]);
+    let first = batch_with_watermarks(&[rec("m", S, "a", 1)], &[None]);
     assert_eq!(e.process_batch(&first, "src", 0).unwrap().counted, 1);
     // Same pane: one record judged at 69.999999 s (counted), one at 70 s (late), one
     // without a watermark of its own (counted).
@@ -441,7 +430,7 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
         rec("m", 3 * S, "c", 100),
         rec("m", 4 * S, "d", 1000),
     ];
-    let second = with_watermarks(&recs, &[Some(70 * S - 1), Some(70 * S), None]);
+    let second = batch_with_watermarks(&recs, &[Some(70 * S - 1), Some(70 * S), None]);
     let outcome = e.process_batch(&second, "src", 0).unwrap();
     assert_eq!(outcome.counted, 2);
     assert_eq!(
@@ -536,23 +525,14 @@ fn the_end_of_input_emits_each_window_once_more_only_if_due() {
 /// while the set stays smaller; a record below a promised floor is refused.
 #[test]
 fn a_dedup_floor_changes_no_output_and_bounds_the_set() {
-    use arrow::array::{Int64Array, RecordBatch};
-    use arrow::datatypes::{DataType, Field, Schema};
-
     let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10s", None);
     let horizon = spec.dedup_horizon_us();
     let config = EngineConfig {
         watermark_column: Some("wm".into()),
         ..EngineConfig::default()
     };
-    let with_watermark = |recs: &[Rec], wm: i64| {
-        let b = batch(recs);
-        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
-        fields.push(Field::new("wm", DataType::Int64, true));
-        let mut columns = b.columns().to_vec();
-        columns.push(Arc::new(Int64Array::from(vec![wm; recs.len()])));
-        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
-    };
+    let with_watermark =
+        |recs: &[Rec], wm: i64| batch_with_watermarks(recs, &vec![Some(wm); recs.len()]);
     // 40 files of 400 records, each spanning 20 minutes after the one before; a file's
     // records arrived at the watermark of its start. Every 5th record repeats one from
     // 3 s to 2 h before it: inside the horizon (1 h 1 min 10 s) or past it.

@@ -56,6 +56,20 @@ pub fn batch(recs: &[Rec]) -> RecordBatch {
     b.finish().unwrap()
 }
 
+/// [`batch`] with a column `wm`: each record's own watermark (a backfill's arrival
+/// watermark; `None` for none).
+pub fn batch_with_watermarks(recs: &[Rec], wms: &[Option<i64>]) -> RecordBatch {
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    let b = batch(recs);
+    let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
+    fields.push(Field::new("wm", DataType::Int64, true));
+    let mut columns = b.columns().to_vec();
+    columns.push(Arc::new(Int64Array::from(wms.to_vec())));
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+}
+
 /// A spec with count, sum and max of `amount_minor` keyed by `market_id`.
 pub fn spec(window: &str, bound: &str, lateness: &str, early: Option<&str>) -> Arc<JobSpec> {
     let triggers = early
