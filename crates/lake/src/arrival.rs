@@ -30,11 +30,15 @@ pub struct ArrivalWatermarks {
     /// ((largest ingest time, sequence number) of a file, running maximum of event time
     /// up to it), by arrival.
     steps: Vec<((i64, i64), i64)>,
-    /// Sequence number of each data file, and the watermark its first record arrived at
-    /// (`i64::MIN` when unknown), by path.
-    files: std::collections::HashMap<String, (i64, i64)>,
+    /// Of each data file, by path: its sequence number, the watermark its first record
+    /// arrived at (`i64::MIN` when unknown), and its lowest (when known) and highest
+    /// ingest times.
+    files: std::collections::HashMap<String, (i64, i64, Option<i64>, i64)>,
     bound_us: i64,
 }
+
+/// Where a record stands in arrival order: (ingest time, sequence number of its file).
+pub type ArrivalKey = (i64, i64);
 
 /// What a data file's column statistics tell of its arrival.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,7 +80,7 @@ impl ArrivalWatermarks {
             .into_iter()
             .map(|f| {
                 let first = f.first_ingest.map_or(i64::MIN, |a| w.at(a, f.sequence));
-                (f.path, (f.sequence, first))
+                (f.path, (f.sequence, first, f.first_ingest, f.last_ingest))
             })
             .collect();
         w
@@ -93,6 +97,16 @@ impl ArrivalWatermarks {
     /// `i64::MIN` when the file's lowest ingest time is unknown.
     pub fn first_of(&self, path: &str) -> i64 {
         self.files.get(path).map_or(i64::MIN, |f| f.1)
+    }
+
+    /// When the data file at `path` arrived: the (ingest time, sequence number) of its
+    /// first record (`None` when its lowest ingest time is unknown) and of its last,
+    /// which order records as [`ArrivalWatermarks::at`] does. `None` for a file without
+    /// statistics.
+    pub fn arrival_of(&self, path: &str) -> Option<(Option<ArrivalKey>, ArrivalKey)> {
+        self.files
+            .get(path)
+            .map(|&(seq, _, first, last)| (first.map(|a| (a, seq)), (last, seq)))
     }
 
     /// The watermark a reader had just before a record ingested at `ingest_us` in the
@@ -290,6 +304,11 @@ pub struct FileSpans {
 }
 
 impl FileSpans {
+    /// The lowest and highest value of the column in the data file at `path`, when known.
+    pub fn span_of(&self, path: &str) -> Option<(i64, i64)> {
+        self.spans.get(path).copied()
+    }
+
     /// About how many records of `files` (path, record count: a planned read) have the
     /// column in `[from_us, to_us)`: each file's records are taken as spread evenly over
     /// its span. A file of unknown span counts whole.

@@ -33,7 +33,7 @@ mod promote;
 mod provider;
 mod sql;
 
-pub use arrival::{ArrivalCursor, ArrivalWatermarks, ArrivedFile, FileSpans};
+pub use arrival::{ArrivalCursor, ArrivalKey, ArrivalWatermarks, ArrivedFile, FileSpans};
 pub use compact::{CompactionPolicy, CompactionReport};
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
 pub use erase::{ErasureReport, ErasureRequest, TableErasure};

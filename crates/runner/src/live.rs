@@ -247,6 +247,7 @@ impl LiveJob {
             namespace: namespace.clone(),
             key_groups: config.key_groups,
             watermark_column: None,
+            dedup_only_column: None,
         };
         let mut job = Self {
             engine: WindowEngine::new(Arc::clone(&spec), engine_config.clone())?,

@@ -28,7 +28,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use arrow::array::{Array, AsArray, RecordBatch, StringArray};
+use arrow::array::{Array, AsArray, BooleanArray, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Int64Type, TimestampMicrosecondType};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -62,6 +62,13 @@ pub struct EngineConfig {
     /// copies of one dedup identity, the one processed first counts; and a dedup floor,
     /// see [`WindowEngine::set_dedup_floor`], refuses records below it.)
     pub watermark_column: Option<String>,
+    /// Judge some records for dedup only (backfills): a Boolean column, true for a record
+    /// that is read only because it may be an earlier copy of a record that counts (one
+    /// outside the range or the key groups being computed). Such a record is classified
+    /// as any other (its event type, key and horizon), and when it is the first copy of
+    /// its identity it claims it, so later copies are duplicates; it adds to no window,
+    /// moves no watermark and is reported nowhere: not as late, duplicate or filtered.
+    pub dedup_only_column: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +77,7 @@ impl Default for EngineConfig {
             namespace: "live".into(),
             key_groups: DEFAULT_KEY_GROUPS,
             watermark_column: None,
+            dedup_only_column: None,
         }
     }
 }
@@ -353,7 +361,8 @@ struct Routed {
     /// Its dedup identity, unless an identity column is null.
     identity: Option<u128>,
     /// The slab slot of its pane, when found by the fast path (else [`NO_SLAB`]), and its
-    /// event time's offset in the pane.
+    /// event time's offset in the pane (for a record judged for dedup only, its key
+    /// group).
     slab: u32,
     offset: u32,
 }
@@ -369,6 +378,9 @@ const READ_AHEAD: usize = 256;
 const MIN_SPARE_ROWS: usize = 4096;
 /// A record's key before it is interned.
 const NO_KEY: u32 = u32::MAX;
+/// The key of a record judged for dedup only (see [`EngineConfig::dedup_only_column`]):
+/// it is never interned, and leaves the batch at dedup.
+const DEDUP_ONLY: u32 = u32::MAX - 1;
 
 /// Reads the newest window of each of `keys`, so that the walk that follows finds their
 /// lists in cache; with `records`, the first word of its pane's record too (the pane an
@@ -556,6 +568,7 @@ struct Columns<'a> {
     input: Option<&'a StringArray>,
     agg_inputs: Vec<Option<&'a arrow::array::PrimitiveArray<Int64Type>>>,
     row_watermark: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
+    dedup_only: Option<&'a BooleanArray>,
 }
 
 /// A multi-column key of `row` into `buf`: the values joined with `|`, each escaped, so
@@ -887,6 +900,15 @@ impl WindowEngine {
                 )?),
                 None => None,
             };
+        let dedup_only = match &self.config.dedup_only_column {
+            Some(c) => Some(col(batch, c)?.as_boolean_opt().ok_or_else(|| {
+                WindowError::new(
+                    ErrorKind::InvalidInput,
+                    format!("dedup-only column `{c}` must be Boolean"),
+                )
+            })?),
+            None => None,
+        };
         let agg_inputs = spec
             .aggregates
             .iter()
@@ -912,6 +934,7 @@ impl WindowEngine {
             input,
             agg_inputs,
             row_watermark,
+            dedup_only,
         })
     }
 
@@ -959,6 +982,9 @@ impl WindowEngine {
         // a time: the dedup probes alone were four-tenths of a backfill's time.
         let mut routed: Vec<Routed> = Vec::with_capacity(batch.num_rows());
         for row in 0..batch.num_rows() {
+            let dedup_only = cols
+                .dedup_only
+                .is_some_and(|c| c.is_valid(row) && c.value(row));
             let type_ix = cols.event_type.and_then(|c| {
                 let v = c.value(row);
                 type_names
@@ -966,7 +992,7 @@ impl WindowEngine {
                     .position(|n| n.len() == v.len() && *n == v)
             });
             if filtered_types > 0 && type_ix.is_none_or(|i| i >= filtered_types) {
-                outcome.filtered += 1;
+                outcome.filtered += u64::from(!dedup_only);
                 continue;
             }
             let t = cols.time.value(row);
@@ -985,6 +1011,38 @@ impl WindowEngine {
                         self.dedup_floor
                     ),
                 ));
+            }
+            if dedup_only {
+                // Claims its identity, if it is the first copy, and nothing else. A
+                // record with a null key is late, not a copy that counts.
+                if cols.keys.iter().all(|k| !k.is_null(row))
+                    && let Some(id) = cols
+                        .identity
+                        .iter()
+                        .all(|c| !c.is_null(row))
+                        .then(|| identity_hash(&cols.identity, row, &mut self.id_buf))
+                {
+                    // Its key group, in place of a pane offset.
+                    let group = if let [k] = cols.keys[..] {
+                        self.key_group_of(k.value(row))
+                    } else {
+                        let mut buf = std::mem::take(&mut self.key_buf);
+                        join_key(&cols.keys, row, &mut buf);
+                        let group = self.key_group_of(&buf);
+                        self.key_buf = buf;
+                        group
+                    };
+                    routed.push(Routed {
+                        row: row as u32,
+                        key: DEDUP_ONLY,
+                        type_ix,
+                        wm,
+                        identity: Some(id),
+                        slab: NO_SLAB,
+                        offset: u32::from(group),
+                    });
+                }
+                continue;
             }
             match cols.input {
                 Some(c) => {
@@ -1038,7 +1096,9 @@ impl WindowEngine {
                 hashes.extend(chunk.iter().map(|r| keys::hash(k.value(r.row as usize))));
                 std::hint::black_box(self.keys.touch(&hashes));
                 for (r, &h) in chunk.iter_mut().zip(&hashes) {
-                    r.key = self.intern_hashed(k.value(r.row as usize), h);
+                    if r.key != DEDUP_ONLY {
+                        r.key = self.intern_hashed(k.value(r.row as usize), h);
+                    }
                 }
             }
             self.hash_buf = hashes;
@@ -1049,11 +1109,13 @@ impl WindowEngine {
         routed.retain_mut(|r| {
             let t = cols.time.value(r.row as usize);
             if t.saturating_add(horizon) <= r.wm {
-                outcome.late.push(LateRecord {
-                    row: r.row,
-                    reason: LateReason::BeyondAllowedLateness,
-                    watermark: r.wm,
-                });
+                if r.key != DEDUP_ONLY {
+                    outcome.late.push(LateRecord {
+                        row: r.row,
+                        reason: LateReason::BeyondAllowedLateness,
+                        watermark: r.wm,
+                    });
+                }
                 return false;
             }
             true
@@ -1067,6 +1129,7 @@ impl WindowEngine {
         self.dedup
             .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
         let mut kept = 0;
+        let mut duplicates = 0;
         let mut from = 0;
         while from < candidates {
             let to = (from + DEDUP_CHUNK).min(candidates);
@@ -1076,13 +1139,23 @@ impl WindowEngine {
             );
             for i in from..to {
                 let r = routed[i];
+                let dedup_only = r.key == DEDUP_ONLY;
                 let duplicate = r.identity.is_some_and(|id| {
                     let t = cols.time.value(r.row as usize);
-                    let group = self.key_group[r.key as usize];
+                    let group = if dedup_only {
+                        r.offset as u16
+                    } else {
+                        self.key_group[r.key as usize]
+                    };
                     self.dedup
                         .observe(id, t.saturating_add(horizon), group, r.wm)
                 });
-                if !duplicate {
+                if dedup_only {
+                    continue;
+                }
+                if duplicate {
+                    duplicates += 1;
+                } else {
                     routed[kept] = r;
                     kept += 1;
                 }
@@ -1091,7 +1164,7 @@ impl WindowEngine {
         }
         routed.truncate(kept);
 
-        outcome.duplicates += (candidates - routed.len()) as u64;
+        outcome.duplicates += duplicates;
         // How each aggregate takes a record: its slot, the event type it counts (if
         // one), and its input column.
         let plan: Vec<AggPlan<'_>> = layout

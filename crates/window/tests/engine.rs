@@ -416,6 +416,7 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
     let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "10s", None);
     let config = EngineConfig {
         watermark_column: Some("wm".into()),
+        dedup_only_column: None,
         ..EngineConfig::default()
     };
     let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
@@ -447,6 +448,74 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
     assert_eq!(
         rows[0].values,
         vec![AggValue::Int(3), AggValue::Int(1011), AggValue::Int(1000)]
+    );
+}
+
+/// A record judged for dedup only (a backfill's copy from outside its range or key
+/// groups) claims its identity when it is the first copy, so a later copy that would
+/// count is a duplicate; it is itself a duplicate of an earlier copy; and it adds to no
+/// window, creates no key, moves no watermark and is reported nowhere.
+#[test]
+fn a_record_judged_for_dedup_only_claims_its_identity_and_nothing_else() {
+    use arrow::array::{BooleanArray, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None);
+    let config = EngineConfig {
+        dedup_only_column: Some("only".into()),
+        ..EngineConfig::default()
+    };
+    let with_only = |recs: &[Rec], only: &[bool]| {
+        let b = batch(recs);
+        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
+        fields.push(Field::new("only", DataType::Boolean, true));
+        let mut columns = b.columns().to_vec();
+        columns.push(Arc::new(BooleanArray::from(only.to_vec())));
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+    };
+    let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
+    let first = with_only(
+        &[
+            rec("m", 10 * S, "a", 1),
+            rec("n", 20 * S, "b", 2),
+            rec("m", 30 * S, "b", 4),
+            rec("m", 40 * S, "c", 8),
+            rec("x", 50 * S, "c", 16),
+            rec("y", 100 * 3600 * S, "e", 64),
+        ],
+        &[false, true, false, false, true, true],
+    );
+    let outcome = e.process_batch(&first, "src", 0).unwrap();
+    assert_eq!(outcome.counted, 2, "a and c");
+    assert_eq!(
+        outcome.duplicates, 1,
+        "b, whose first copy was judged for dedup only"
+    );
+    assert!(outcome.late.is_empty());
+    assert_eq!(outcome.filtered, 0);
+    // Had the copy 100 h ahead moved the watermark, this record would be late.
+    let second = with_only(
+        &[rec("m", 45 * S, "d", 32), rec("m", 50 * S, "e", 128)],
+        &[false, false],
+    );
+    let outcome = e.process_batch(&second, "src", 0).unwrap();
+    assert_eq!(
+        (outcome.counted, outcome.duplicates),
+        (1, 1),
+        "d counts; e is a copy"
+    );
+    assert!(outcome.late.is_empty());
+    let rows: Vec<_> = e.finish(1).rows().collect();
+    assert_eq!(
+        rows.len(),
+        1,
+        "no window and no key for n, x or y: {rows:?}"
+    );
+    assert_eq!(&*rows[0].key, "m");
+    assert_eq!(rows[0].events, 3);
+    assert_eq!(
+        rows[0].values,
+        vec![AggValue::Int(3), AggValue::Int(41), AggValue::Int(32)]
     );
 }
 
@@ -529,6 +598,7 @@ fn a_dedup_floor_changes_no_output_and_bounds_the_set() {
     let horizon = spec.dedup_horizon_us();
     let config = EngineConfig {
         watermark_column: Some("wm".into()),
+        dedup_only_column: None,
         ..EngineConfig::default()
     };
     let with_watermark =
