@@ -23,12 +23,14 @@ const TO: &str = "2026-01-01T03:00:00Z";
 /// loaded in commits of 500 records; then the live job reads it one commit per step.
 fn landed_history(dir: &Path) -> PathBuf {
     let lake = dir.join("lake");
-    land_history_in(&lake, dir, 24_000);
+    land_history_in(&lake, dir, 24_000, false);
     lake
 }
 
-/// [`landed_history`] into `lake` (a directory or a profile), with `events` events.
-fn land_history_in(lake: &Path, dir: &Path, events: u64) {
+/// [`landed_history`] into `lake` (a directory or a profile), with `events` events, and
+/// with copies of every 25th event stamped anew in a second load when `resend` (see
+/// [`resends`]).
+fn land_history_in(lake: &Path, dir: &Path, events: u64, resend: bool) {
     let file = dir.join("history.ndjson");
     ok(sw(lake)
         .args(["fixtures", "generate", "--out"])
@@ -45,12 +47,18 @@ fn land_history_in(lake: &Path, dir: &Path, events: u64) {
         ])
         .output()
         .unwrap());
-    ok(sw(lake)
-        .arg("load")
-        .arg(&file)
-        .args(["--chunk-records", "500"])
-        .output()
-        .unwrap());
+    let mut files = vec![file.clone()];
+    if resend {
+        files.push(resends(&file, dir));
+    }
+    for f in files {
+        ok(sw(lake)
+            .arg("load")
+            .arg(&f)
+            .args(["--chunk-records", "500"])
+            .output()
+            .unwrap());
+    }
     ok(sw(lake)
         .args([
             "run",
@@ -62,6 +70,33 @@ fn land_history_in(lake: &Path, dir: &Path, events: u64) {
         ])
         .output()
         .unwrap());
+}
+
+/// Copies of every 25th event of `history`, resent by a producer that stamps an event
+/// when it sends it: each copy's event time is 1 to 30 min later or earlier than the
+/// original's, so many fall in another sub-range than it. (A load drops the copies within
+/// one file; these land, as copies do through separate gateways.) The live job counted
+/// the first copy to arrive, unless it came beyond the dedup horizon.
+fn resends(history: &Path, dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(history).unwrap();
+    let mut out = String::new();
+    for (i, line) in text.lines().enumerate().filter(|(i, _)| i % 25 == 0) {
+        let mut event: Value = serde_json::from_str(line).unwrap();
+        let t =
+            chrono::DateTime::parse_from_rfc3339(event["event_time"].as_str().unwrap()).unwrap();
+        let minutes = 1 + (i / 25 % 30) as i64;
+        let shift = chrono::Duration::minutes(if i / 25 % 2 == 0 { minutes } else { -minutes });
+        event["event_time"] = Value::String(
+            (t + shift)
+                .with_timezone(&chrono::Utc)
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        );
+        out.push_str(&event.to_string());
+        out.push('\n');
+    }
+    let path = dir.join("resends.ndjson");
+    std::fs::write(&path, out).unwrap();
+    path
 }
 
 fn start(lake: &Path, namespace: &str, extra: &[&str]) -> std::process::Command {
@@ -155,8 +190,12 @@ fn late_in_range(lake: &Path, namespace: &str) -> i64 {
 #[test]
 fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicates() {
     let dir = tempfile::tempdir().unwrap();
-    let lake = landed_history(dir.path());
-    ok(start(&lake, "reference", &[]).output().unwrap());
+    // With copies of one event in different sub-ranges.
+    let lake = dir.path().join("lake");
+    land_history_in(&lake, dir.path(), 24_000, true);
+    ok(start(&lake, "reference", &["--exact-dedup"])
+        .output()
+        .unwrap());
     let s = status(&lake, "reference");
     assert_eq!(s["backfill"]["state"], "completed", "{s}");
     let subs = s["subranges"].as_array().unwrap();
@@ -191,7 +230,7 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
 
     // kill -9 after the commit of sub-range 2, before its progress is recorded.
     // One sub-range at a time here (the reference ran two at once).
-    let crashed = start(&lake, "killed", &["--parallelism", "1"])
+    let crashed = start(&lake, "killed", &["--parallelism", "1", "--exact-dedup"])
         .env("SIGNALWEAVE_BACKFILL_FAULT", "2")
         .output()
         .unwrap();
@@ -512,7 +551,7 @@ fn a_live_burst_takes_the_backfills_capacity_back_and_it_returns_after() {
 #[test]
 fn backfills_run_on_s3_with_sqlite_and_postgresql_catalogs() {
     for (b, lake) in support::s3_backends() {
-        land_history_in(&lake, b.dir.path(), 8_000);
+        land_history_in(&lake, b.dir.path(), 8_000, false);
         // Killed after a sub-range's commit, then resumed: the lease and the progress rows
         // live in this catalog database.
         let crashed = start(&lake, "resumed", &["--parallelism", "1"])

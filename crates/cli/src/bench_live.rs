@@ -362,6 +362,7 @@ fn backfill_request(
         to_us: range.1,
         slice,
         key_group_splits: 1,
+        exact_dedup: false,
         budgets: Budgets::default(),
         created_by: "bench".into(),
     }

@@ -31,6 +31,20 @@
 //! fires once, so the outputs do not depend on batch sizes. Each window
 //! gets one version (`on_time`, or `partial`) whose `watermark` is the sub-range's end.
 //!
+//! # Copies
+//!
+//! A sub-range sees only its own records, and the live job counted the first copy of an
+//! identity to arrive, wherever its event time (or key) was. Copies that share their event
+//! time and key (a retried send) fall in one sub-range, so they are judged as the live job
+//! judged them. Copies stamped with other event times may not: with `exact_dedup`, each
+//! sub-range also reads the records that may be such an earlier copy, and the engine judges
+//! them for dedup only ([`EngineConfig::dedup_only_column`]): the records of the files
+//! that arrived before its last file, from the dedup horizon below the first watermark its
+//! files arrived at (an identity held for less cannot be a copy of its records), and its
+//! records of other key groups. That is up to a dedup horizon of reading on each side of a
+//! sub-range (about 1.8 times the time with 6-hour slices over 50M events), so it is asked
+//! for, not the default.
+//!
 //! A sub-range completes atomically: its outputs are one append to the namespace's output
 //! table and its late records one append to `late_events`, each carrying the commit
 //! identity `(backfill writer, sub-range)`, and then its row is marked done. A backfill
@@ -72,6 +86,9 @@ pub const SUMMARY_SUBRANGE: &str = "signalweave.backfill-subrange";
 pub const ARRIVAL_COLUMN: &str = "ingest_time";
 /// The column a backfill adds to each batch: the live watermark at the record's arrival.
 const ROW_WATERMARK: &str = "sw_arrival_watermark";
+/// The column marking records read only as possible earlier copies of the sub-range's
+/// records ([`EngineConfig::dedup_only_column`]).
+const DEDUP_ONLY: &str = "sw_dedup_only";
 /// The processing time a backfill's engine runs at: early triggers never fire.
 const BACKFILL_PROC_TIME: i64 = 0;
 
@@ -92,6 +109,9 @@ pub struct BackfillRequest {
     pub slice: Duration,
     /// Key-group ranges per slice.
     pub key_group_splits: u16,
+    /// Also read, around each sub-range, the records that may be earlier copies of its
+    /// records under other event times or keys (see "Copies" in the module docs).
+    pub exact_dedup: bool,
     /// Token budgets.
     pub budgets: Budgets,
     /// Who started it.
@@ -121,6 +141,8 @@ pub struct BackfillRecord {
     pub desired: String,
     /// Budgets.
     pub budgets: Budgets,
+    /// Whether each sub-range reads the earlier copies of its records around it.
+    pub exact_dedup: bool,
     /// Who started it.
     pub created_by: String,
     /// When, ms since the epoch.
@@ -215,7 +237,7 @@ pub struct BackfillStore {
 
 const RECORD_COLUMNS: &str = "job, namespace, job_version, from_us, to_us, lead_in_us, \
      snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, runner, heartbeat_ms, \
-     preemptions, last_decision, rate_limit, last_error";
+     preemptions, last_decision, rate_limit, last_error, exact_dedup";
 
 impl BackfillStore {
     /// Opens the store, creating its tables where missing.
@@ -229,7 +251,8 @@ impl BackfillStore {
              budgets VARCHAR(1000) NOT NULL, created_by VARCHAR(255) NOT NULL, \
              created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL, runner VARCHAR(255), \
              heartbeat_ms BIGINT, preemptions BIGINT NOT NULL, last_decision VARCHAR(1000), \
-             rate_limit BIGINT, last_error VARCHAR(2000), PRIMARY KEY (catalog_name, job, namespace))",
+             rate_limit BIGINT, last_error VARCHAR(2000), exact_dedup BIGINT, \
+             PRIMARY KEY (catalog_name, job, namespace))",
             "CREATE TABLE IF NOT EXISTS sw_backfill_ranges (catalog_name VARCHAR(255) NOT NULL, \
              job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, seq BIGINT NOT NULL, \
              from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, kg_lo BIGINT NOT NULL, kg_hi BIGINT NOT NULL, \
@@ -242,6 +265,24 @@ impl BackfillStore {
                 .execute(store.lake.control_pool())
                 .await
                 .map_err(|e| RunnerError::sql("create backfill tables", e))?;
+        }
+        // Added after the table's first release: a database from before gets it (null:
+        // off). Another process may add it meanwhile, so the check is made again.
+        let has_column = || async {
+            sqlx::query("SELECT exact_dedup FROM sw_backfills WHERE 1 = 0")
+                .execute(store.lake.control_pool())
+                .await
+                .is_ok()
+        };
+        if !has_column().await {
+            let added = sqlx::query("ALTER TABLE sw_backfills ADD COLUMN exact_dedup BIGINT")
+                .execute(store.lake.control_pool())
+                .await;
+            if let Err(e) = added
+                && !has_column().await
+            {
+                return Err(RunnerError::sql("add sw_backfills.exact_dedup", e));
+            }
         }
         Ok(store)
     }
@@ -267,6 +308,7 @@ impl BackfillStore {
             state: row.try_get("state")?,
             desired: row.try_get("desired")?,
             budgets: serde_json::from_str(&budgets).unwrap_or_default(),
+            exact_dedup: row.try_get::<Option<i64>, _>("exact_dedup")?.unwrap_or(0) != 0,
             created_by: row.try_get("created_by")?,
             created_ms: row.try_get("created_ms")?,
             updated_ms: row.try_get("updated_ms")?,
@@ -375,7 +417,7 @@ impl BackfillStore {
         let sql = self.q(
             "INSERT INTO sw_backfills (catalog_name, job, namespace, job_version, from_us, to_us, \
              lead_in_us, snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, \
-             preemptions) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0)",
+             preemptions, exact_dedup) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15)",
         );
         sqlx::query(&sql)
             .bind(self.catalog())
@@ -392,6 +434,7 @@ impl BackfillStore {
             .bind(&record.created_by)
             .bind(record.created_ms)
             .bind(record.updated_ms)
+            .bind(i64::from(record.exact_dedup))
             .execute(&mut *tx)
             .await
             .map_err(|e| RunnerError::sql("record the backfill", e))?;
@@ -785,6 +828,7 @@ pub async fn create(
         state: "pending".into(),
         desired: "run".into(),
         budgets: request.budgets,
+        exact_dedup: request.exact_dedup,
         created_by: request.created_by.clone(),
         created_ms: now,
         updated_ms: now,
@@ -1327,27 +1371,81 @@ impl Running {
                     namespace: self.record.namespace.clone(),
                     key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
                     watermark_column: Some(ROW_WATERMARK.into()),
+                    dedup_only_column: Some(DEDUP_ONLY.into()),
                 },
             )?,
         };
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
-        // A backfill planned on an empty landing table has no input.
-        let tasks = match self.record.snapshot_id {
-            None => Vec::new(),
-            Some(_) => {
-                self.lake
-                    .plan_time_range_of(
-                        LakeTable::Events,
-                        sub.from_us - self.record.lead_in_us,
-                        sub.to_us,
-                        self.record.snapshot_id,
-                        Some(&source_columns(&self.spec)),
-                    )
-                    .await?
-                    .tasks
+        let read_from = sub.from_us - self.record.lead_in_us;
+        let arrivals = &self.arrivals;
+        let columns = source_columns(&self.spec);
+        let plan = |from: i64, to: i64| {
+            let columns = &columns;
+            async move {
+                Ok::<_, RunnerError>(match self.record.snapshot_id {
+                    // A backfill planned on an empty landing table has no input.
+                    None => Vec::new(),
+                    Some(_) => {
+                        self.lake
+                            .plan_time_range_of(
+                                LakeTable::Events,
+                                from,
+                                to,
+                                self.record.snapshot_id,
+                                Some(columns),
+                            )
+                            .await?
+                            .tasks
+                    }
+                })
             }
         };
-        let arrivals = &self.arrivals;
+        let main = plan(read_from, sub.to_us).await?;
+        // Earlier copies of the sub-range's records may have other event times (or keys
+        // of other key groups), and the live job counted the first copy to arrive: they
+        // are read too, judged for dedup only (`DEDUP_ONLY`). A copy matters to a record
+        // when it arrived first (so in a file that arrived before the last of the
+        // sub-range's files) and was still held when the record arrived: its event time
+        // plus the dedup horizon is above that record's watermark, which is at least the
+        // first watermark of the sub-range's files. Rows of the sub-range's own files
+        // outside it are such rows too.
+        let horizon = self.spec.dedup_horizon_us();
+        let floor = main
+            .iter()
+            .map(|t| arrivals.first_of(&t.data_file_path))
+            .min()
+            .unwrap_or(i64::MAX);
+        let exact = self.record.exact_dedup;
+        let copies_from = if exact {
+            floor.saturating_sub(horizon).min(read_from)
+        } else {
+            read_from
+        };
+        let last_arrival = main
+            .iter()
+            .map(|t| {
+                arrivals
+                    .arrival_of(&t.data_file_path)
+                    .map_or((i64::MAX, i64::MAX), |a| a.1)
+            })
+            .max();
+        let tasks = match last_arrival.filter(|_| exact) {
+            None => main,
+            Some(last) => {
+                let own: std::collections::HashSet<&str> =
+                    main.iter().map(|t| t.data_file_path.as_str()).collect();
+                let wide = plan(copies_from, i64::MAX).await?;
+                wide.into_iter()
+                    .filter(|t| {
+                        own.contains(t.data_file_path.as_str())
+                            || arrivals
+                                .arrival_of(&t.data_file_path)
+                                .and_then(|a| a.0)
+                                .is_none_or(|first| first < last)
+                    })
+                    .collect()
+            }
+        };
         // Files in order of arrival (of their first records), as the live job read them:
         // of two copies of one identity the first to arrive counts. The watermark a file's
         // first record arrived at is then a floor for every record still to come, so the
@@ -1360,21 +1458,17 @@ impl Running {
                 arrivals.sequence_of(&t.data_file_path),
             )
         });
-        // The dedup set is sized for the records expected in the sub-range (its share of
-        // each file's span of event time, and of the key groups), not for the whole files
-        // read: sized from the files, it took about twice the memory, every page of it
-        // faulted in on first use. Since a floor lets it drop what expires, it holds the
-        // records of about a horizon plus the file being read, and is kept at most
-        // three-eighths full after a sweep: the records of four horizons leave room for
-        // that without a growth, in which the old and the new set are held at once. An
-        // estimate short of what comes grows the set.
-        let read_from = sub.from_us - self.record.lead_in_us;
-        let held_to = read_from
-            .saturating_add(self.spec.dedup_horizon_us().saturating_mul(4))
+        // The dedup set is sized for the records expected (each file's share of its span
+        // of event time), not for the whole files read: sized from the files, it took
+        // about twice the memory, every page of it faulted in on first use. Since a floor
+        // lets it drop what expires, it holds the records of about a horizon plus the file
+        // being read, and is kept at most three-eighths full after a sweep: the records of
+        // four horizons leave room for that without a growth, in which the old and the new
+        // set are held at once. An estimate short of what comes grows the set.
+        let held_to = copies_from
+            .saturating_add(horizon.saturating_mul(4))
             .min(sub.to_us);
-        let expected = self.spans.estimate_tasks(&tasks, read_from, held_to)
-            * u64::from(sub.kg_hi.saturating_sub(sub.kg_lo))
-            / u64::from(signalweave_window::DEFAULT_KEY_GROUPS);
+        let expected = self.spans.estimate_tasks(&tasks, copies_from, held_to);
         engine.reserve(expected.min(16_000_000) as usize);
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
@@ -1400,8 +1494,30 @@ impl Running {
                 if !self.obey().await? {
                     return Ok(None);
                 }
-                let n = batch.num_rows() as u64;
-                if !self.throttle.admit_records(n).await {
+                let times = event_times(&batch, &event_time)?;
+                let groups = if all_groups {
+                    None
+                } else {
+                    Some(engine.key_groups_of_rows(&batch)?)
+                };
+                // A record of the sub-range: its event time in the range read, its key (or
+                // a null key, which is late) in the sub-range's key groups.
+                let ours: Vec<bool> = (0..batch.num_rows())
+                    .map(|row| {
+                        let t = times.value(row);
+                        t >= read_from
+                            && t < sub.to_us
+                            && groups.as_ref().is_none_or(|g| {
+                                g[row].is_none_or(|g| g >= sub.kg_lo && g < sub.kg_hi)
+                            })
+                    })
+                    .collect();
+                // The records budget is spent on the sub-range's records; the copies read
+                // around them (judged for dedup only) spend the bytes budget. A batch of
+                // copies alone takes one token, so it waits as the others do while the
+                // backfill is held at a floor of 0.
+                let n = ours.iter().filter(|&&o| o).count() as u64;
+                if !self.throttle.admit_records(n.max(1)).await {
                     // Stopped: an abort, or a lost lease (an error).
                     self.obey().await?;
                     return Ok(None);
@@ -1411,36 +1527,26 @@ impl Running {
                 if let Ok(mut p) = self.options.progress.lock() {
                     p.records += n;
                 }
-                let batch = if all_groups {
-                    batch
+                // Without `exact_dedup`, only the sub-range's records are judged.
+                let (batch, ours) = if exact || n == batch.num_rows() as u64 {
+                    (batch, ours)
                 } else {
-                    let groups = engine.key_groups_of_rows(&batch)?;
-                    let mask: BooleanArray = groups
-                        .iter()
-                        .map(|g| Some(g.is_some_and(|g| g >= sub.kg_lo && g < sub.kg_hi)))
-                        .collect();
-                    arrow::compute::filter_record_batch(&batch, &mask).map_err(|e| {
+                    let keep = BooleanArray::from(ours);
+                    let kept = arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| {
                         RunnerError::new(ErrorKind::Internal, format!("key-group filter: {e}"))
-                    })?
+                    })?;
+                    let ours = vec![true; kept.num_rows()];
+                    (kept, ours)
                 };
+                let dedup_only: BooleanArray = ours.iter().map(|&o| Some(!o)).collect();
                 let batch = with_arrival_watermark(&batch, arrivals, sequence)?;
+                let batch = with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?;
                 let outcome = engine.process_batch(&batch, "events", BACKFILL_PROC_TIME)?;
                 figures.duplicates += outcome.duplicates;
                 if outcome.late.is_empty() {
                     continue;
                 }
                 // Late records are the business of the sub-range their event time is in.
-                let times = batch
-                    .column_by_name(&event_time)
-                    .and_then(|c| {
-                        arrow::array::AsArray::as_primitive_opt::<
-                            arrow::datatypes::TimestampMicrosecondType,
-                        >(c.as_ref())
-                        .cloned()
-                    })
-                    .ok_or_else(|| {
-                        RunnerError::new(ErrorKind::InvalidInput, "events lack the event time")
-                    })?;
                 let owned: Vec<_> = outcome
                     .late
                     .into_iter()
@@ -1603,16 +1709,41 @@ fn with_arrival_watermark(
     let wm = arrow::array::Int64Array::from_iter_values(
         arrival.values().iter().map(|&a| cursor.at(a, sequence)),
     );
+    with_column(batch, ROW_WATERMARK, Arc::new(wm))
+}
+
+/// `batch` with `column` added as `name`.
+fn with_column(
+    batch: &RecordBatch,
+    name: &str,
+    column: arrow::array::ArrayRef,
+) -> Result<RecordBatch> {
     let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
     fields.push(Arc::new(arrow::datatypes::Field::new(
-        ROW_WATERMARK,
-        arrow::datatypes::DataType::Int64,
+        name,
+        column.data_type().clone(),
         true,
     )));
     let mut columns = batch.columns().to_vec();
-    columns.push(Arc::new(wm));
+    columns.push(column);
     RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns)
-        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("arrival watermark: {e}")))
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("column {name}: {e}")))
+}
+
+/// The event times of `batch` (column `name`).
+fn event_times(
+    batch: &RecordBatch,
+    name: &str,
+) -> Result<arrow::array::PrimitiveArray<arrow::datatypes::TimestampMicrosecondType>> {
+    batch
+        .column_by_name(name)
+        .and_then(|c| {
+            arrow::array::AsArray::as_primitive_opt::<arrow::datatypes::TimestampMicrosecondType>(
+                c.as_ref(),
+            )
+            .cloned()
+        })
+        .ok_or_else(|| RunnerError::new(ErrorKind::InvalidInput, "events lack the event time"))
 }
 
 /// Asks a backfill to pause, resume or abort (the running process obeys within a second).
