@@ -229,11 +229,22 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     );
 
     // kill -9 after the commit of sub-range 2, before its progress is recorded.
-    // One sub-range at a time here (the reference ran two at once).
-    let crashed = start(&lake, "killed", &["--parallelism", "1", "--exact-dedup"])
-        .env("SIGNALWEAVE_BACKFILL_FAULT", "2")
-        .output()
-        .unwrap();
+    // One sub-range at a time here (the reference ran two at once), and two key-group
+    // ranges per slice: the copies of other key groups are judged for dedup only.
+    let crashed = start(
+        &lake,
+        "killed",
+        &[
+            "--parallelism",
+            "1",
+            "--exact-dedup",
+            "--key-group-splits",
+            "2",
+        ],
+    )
+    .env("SIGNALWEAVE_BACKFILL_FAULT", "2")
+    .output()
+    .unwrap();
     assert!(!crashed.status.success(), "the drill did not stop it");
     let s = status(&lake, "killed");
     let done = s["subranges"]
@@ -337,6 +348,18 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
 fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     let dir = tempfile::tempdir().unwrap();
     let lake = landed_history(dir.path());
+    // First, the same version without `--exact-dedup` (no copies here with other event
+    // times) and in two key-group ranges per slice: equal to the live outputs, with the
+    // same late records, each reported once.
+    ok(start(&lake, "split", &["--key-group-splits", "2"])
+        .output()
+        .unwrap());
+    let c = compare(&lake, "split");
+    assert!(c["same"].as_u64().unwrap() > 1_000, "{c}");
+    for k in ["changed", "missing", "extra", "partial"] {
+        assert_eq!(c[k], 0, "{k}: {c}");
+    }
+    assert_eq!(late_in_range(&lake, "split"), late_in_range(&lake, "live"));
     // Version 2 allows 4 h of lateness: the records version 1 found late now count.
     ok(start(&lake, "fix_lateness", &["--job-version", "2"])
         .output()

@@ -161,6 +161,9 @@ pub enum BenchCommand {
         /// The job.
         #[arg(long, default_value = "jobs/market_aggregates.toml")]
         job: std::path::PathBuf,
+        /// Run the backfill with `--exact-dedup`.
+        #[arg(long)]
+        exact_dedup: bool,
     },
     /// Effects dispatched per second to a local notification sink (in this process),
     /// and the latency from intent to delivered.
@@ -300,6 +303,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             runs,
             parallelism,
             job,
+            exact_dedup,
         } => {
             return crate::bench_live::backfill(
                 lake,
@@ -310,6 +314,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 *slice,
                 *runs,
                 *parallelism,
+                *exact_dedup,
             )
             .await;
         }

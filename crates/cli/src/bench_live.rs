@@ -380,6 +380,7 @@ pub async fn backfill(
     slice: Duration,
     runs: usize,
     parallelism: usize,
+    exact_dedup: bool,
 ) -> Result<()> {
     let signalweave_lake::Warehouse::Local { .. } = &config.warehouse else {
         anyhow::bail!(
@@ -393,12 +394,9 @@ pub async fn backfill(
     let mut records = 0;
     for _ in 0..runs.max(1) {
         let namespace = format!("bench_{}", crate::bench::uuid_like());
-        backfill::create(
-            &lake,
-            &spec,
-            &backfill_request(&spec, &namespace, range, slice),
-        )
-        .await?;
+        let mut request = backfill_request(&spec, &namespace, range, slice);
+        request.exact_dedup = exact_dedup;
+        backfill::create(&lake, &spec, &request).await?;
         let options = RunOptions {
             parallelism,
             ..RunOptions::default()
@@ -494,10 +492,11 @@ pub async fn backfill(
     let (df_dedup, _) = timed(dedup).await?;
     let bf = crate::bench::median(bf_secs);
     println!(
-        "backfill ({}, slice {}, {parallelism} at a time): {records} records in {bf:.2} s = {:.0} records/s; \
+        "backfill ({}, slice {}, {parallelism} at a time{}): {records} records in {bf:.2} s = {:.0} records/s; \
          peak RSS {} MiB (before the backfill {} MiB)",
         spec.name,
         humantime::format_duration(slice),
+        if exact_dedup { ", exact dedup" } else { "" },
         records as f64 / bf,
         rss_after / 1_048_576,
         rss_before / 1_048_576,

@@ -43,7 +43,13 @@
 //! files arrived at (an identity held for less cannot be a copy of its records), and its
 //! records of other key groups. That is up to a dedup horizon of reading on each side of a
 //! sub-range (about 1.8 times the time with 6-hour slices over 50M events), so it is asked
-//! for, not the default.
+//! for, not the default. It refuses files without ingest-time bounds (another writer's),
+//! which it could neither place in arrival order nor rule out. Two limits remain:
+//! - a copy read at the low end of that reach is judged without the copies before it, so a
+//!   third copy of one event, more than a horizon earlier still, that made it a duplicate
+//!   for the live job is missed;
+//! - files are read whole, in order of their first arrival; where two files' ingest times
+//!   interleave (concurrent gateways), copies across them are judged in that file order.
 //!
 //! A sub-range completes atomically: its outputs are one append to the namespace's output
 //! table and its late records one append to `late_events`, each carrying the commit
@@ -1435,15 +1441,25 @@ impl Running {
                 let own: std::collections::HashSet<&str> =
                     main.iter().map(|t| t.data_file_path.as_str()).collect();
                 let wide = plan(copies_from, i64::MAX).await?;
-                wide.into_iter()
-                    .filter(|t| {
-                        own.contains(t.data_file_path.as_str())
-                            || arrivals
-                                .arrival_of(&t.data_file_path)
-                                .and_then(|a| a.0)
-                                .is_none_or(|first| first < last)
-                    })
-                    .collect()
+                // Where a file arrived is known from its ingest-time bounds; a file without
+                // them (another writer's) could be neither placed nor ruled out.
+                let mut kept = Vec::with_capacity(wide.len());
+                for t in wide {
+                    let Some((Some(first), _)) = arrivals.arrival_of(&t.data_file_path) else {
+                        return Err(RunnerError::new(
+                            ErrorKind::InvalidInput,
+                            format!(
+                                "--exact-dedup needs the ingest-time bounds of every file it may \
+                                 read, and {} has none: run the backfill without it",
+                                t.data_file_path
+                            ),
+                        ));
+                    };
+                    if own.contains(t.data_file_path.as_str()) || first < last {
+                        kept.push(t);
+                    }
+                }
+                kept
             }
         };
         // Files in order of arrival (of their first records), as the live job read them:
@@ -1468,7 +1484,17 @@ impl Running {
         let held_to = copies_from
             .saturating_add(horizon.saturating_mul(4))
             .min(sub.to_us);
-        let expected = self.spans.estimate_tasks(&tasks, copies_from, held_to);
+        // Without `exact_dedup`, the set holds only the sub-range's key groups.
+        let share = if exact {
+            (1, 1)
+        } else {
+            (
+                u64::from(sub.kg_hi.saturating_sub(sub.kg_lo)),
+                u64::from(signalweave_window::DEFAULT_KEY_GROUPS),
+            )
+        };
+        let expected =
+            self.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
         engine.reserve(expected.min(16_000_000) as usize);
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
@@ -1500,15 +1526,17 @@ impl Running {
                 } else {
                     Some(engine.key_groups_of_rows(&batch)?)
                 };
-                // A record of the sub-range: its event time in the range read, its key (or
-                // a null key, which is late) in the sub-range's key groups.
+                // A record of the sub-range: its event time in the range read, its key in
+                // the sub-range's key groups. A record with a null key (late) belongs to
+                // the first key-group range of its slice, so it is reported once.
                 let ours: Vec<bool> = (0..batch.num_rows())
                     .map(|row| {
                         let t = times.value(row);
                         t >= read_from
                             && t < sub.to_us
-                            && groups.as_ref().is_none_or(|g| {
-                                g[row].is_none_or(|g| g >= sub.kg_lo && g < sub.kg_hi)
+                            && groups.as_ref().is_none_or(|g| match g[row] {
+                                Some(g) => g >= sub.kg_lo && g < sub.kg_hi,
+                                None => sub.kg_lo == 0,
                             })
                     })
                     .collect();
@@ -1538,6 +1566,8 @@ impl Running {
                     let ours = vec![true; kept.num_rows()];
                     (kept, ours)
                 };
+                // The late records' rows are the rows of the batch judged.
+                let times = event_times(&batch, &event_time)?;
                 let dedup_only: BooleanArray = ours.iter().map(|&o| Some(!o)).collect();
                 let batch = with_arrival_watermark(&batch, arrivals, sequence)?;
                 let batch = with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?;

@@ -493,7 +493,12 @@ fn a_record_judged_for_dedup_only_claims_its_identity_and_nothing_else() {
     );
     assert!(outcome.late.is_empty());
     assert_eq!(outcome.filtered, 0);
-    // Had the copy 100 h ahead moved the watermark, this record would be late.
+    let size = e.state_size();
+    assert_eq!(size.keys, 1, "only m is a key");
+    assert_eq!(size.dedup_identities, 4, "a, b, c and e are held");
+    // Had the copy 100 h ahead moved the watermark, the window would fire here and the
+    // next record would be late.
+    assert!(e.fire(S).is_empty(), "the watermark is 40 s");
     let second = with_only(
         &[rec("m", 45 * S, "d", 32), rec("m", 50 * S, "e", 128)],
         &[false, false],
