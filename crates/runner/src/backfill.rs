@@ -1377,7 +1377,7 @@ impl Running {
                     namespace: self.record.namespace.clone(),
                     key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
                     watermark_column: Some(ROW_WATERMARK.into()),
-                    dedup_only_column: Some(DEDUP_ONLY.into()),
+                    dedup_only_column: self.record.exact_dedup.then(|| DEDUP_ONLY.into()),
                 },
             )?,
         };
@@ -1520,63 +1520,67 @@ impl Running {
                 if !self.obey().await? {
                     return Ok(None);
                 }
-                let times = event_times(&batch, &event_time)?;
-                let groups = if all_groups {
-                    None
+                let (batch, n) = if exact {
+                    // A record of the sub-range: its event time in the range read, its key
+                    // in the sub-range's key groups. The others are judged for dedup only.
+                    let times = event_times(&batch, &event_time)?;
+                    let groups = if all_groups {
+                        None
+                    } else {
+                        Some(engine.key_groups_of_rows(&batch)?)
+                    };
+                    let dedup_only: BooleanArray = (0..batch.num_rows())
+                        .map(|row| {
+                            let t = times.value(row);
+                            let ours = t >= read_from
+                                && t < sub.to_us
+                                && groups.as_ref().is_none_or(|g| in_groups(g[row], sub));
+                            Some(!ours)
+                        })
+                        .collect();
+                    let n = (batch.num_rows() - dedup_only.true_count()) as u64;
+                    // The records budget is spent on the sub-range's records; the copies
+                    // read around them spend the bytes budget. A batch of copies alone
+                    // takes one token, so it waits as the others do while the backfill is
+                    // held at a floor of 0.
+                    if !self.throttle.admit_records(n.max(1)).await {
+                        // Stopped: an abort, or a lost lease (an error).
+                        self.obey().await?;
+                        return Ok(None);
+                    }
+                    (with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?, n)
                 } else {
-                    Some(engine.key_groups_of_rows(&batch)?)
+                    let n = batch.num_rows() as u64;
+                    if !self.throttle.admit_records(n).await {
+                        // Stopped: an abort, or a lost lease (an error).
+                        self.obey().await?;
+                        return Ok(None);
+                    }
+                    let batch = if all_groups {
+                        batch
+                    } else {
+                        let groups = engine.key_groups_of_rows(&batch)?;
+                        let mask: BooleanArray =
+                            groups.iter().map(|&g| Some(in_groups(g, sub))).collect();
+                        arrow::compute::filter_record_batch(&batch, &mask).map_err(|e| {
+                            RunnerError::new(ErrorKind::Internal, format!("key-group filter: {e}"))
+                        })?
+                    };
+                    (batch, n)
                 };
-                // A record of the sub-range: its event time in the range read, its key in
-                // the sub-range's key groups. A record with a null key (late) belongs to
-                // the first key-group range of its slice, so it is reported once.
-                let ours: Vec<bool> = (0..batch.num_rows())
-                    .map(|row| {
-                        let t = times.value(row);
-                        t >= read_from
-                            && t < sub.to_us
-                            && groups.as_ref().is_none_or(|g| match g[row] {
-                                Some(g) => g >= sub.kg_lo && g < sub.kg_hi,
-                                None => sub.kg_lo == 0,
-                            })
-                    })
-                    .collect();
-                // The records budget is spent on the sub-range's records; the copies read
-                // around them (judged for dedup only) spend the bytes budget. A batch of
-                // copies alone takes one token, so it waits as the others do while the
-                // backfill is held at a floor of 0.
-                let n = ours.iter().filter(|&&o| o).count() as u64;
-                if !self.throttle.admit_records(n.max(1)).await {
-                    // Stopped: an abort, or a lost lease (an error).
-                    self.obey().await?;
-                    return Ok(None);
-                }
                 figures.records += n;
                 records_counter.inc_by(n);
                 if let Ok(mut p) = self.options.progress.lock() {
                     p.records += n;
                 }
-                // Without `exact_dedup`, only the sub-range's records are judged.
-                let (batch, ours) = if exact || n == batch.num_rows() as u64 {
-                    (batch, ours)
-                } else {
-                    let keep = BooleanArray::from(ours);
-                    let kept = arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| {
-                        RunnerError::new(ErrorKind::Internal, format!("key-group filter: {e}"))
-                    })?;
-                    let ours = vec![true; kept.num_rows()];
-                    (kept, ours)
-                };
-                // The late records' rows are the rows of the batch judged.
-                let times = event_times(&batch, &event_time)?;
-                let dedup_only: BooleanArray = ours.iter().map(|&o| Some(!o)).collect();
                 let batch = with_arrival_watermark(&batch, arrivals, sequence)?;
-                let batch = with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?;
                 let outcome = engine.process_batch(&batch, "events", BACKFILL_PROC_TIME)?;
                 figures.duplicates += outcome.duplicates;
                 if outcome.late.is_empty() {
                     continue;
                 }
                 // Late records are the business of the sub-range their event time is in.
+                let times = event_times(&batch, &event_time)?;
                 let owned: Vec<_> = outcome
                     .late
                     .into_iter()
@@ -1740,6 +1744,16 @@ fn with_arrival_watermark(
         arrival.values().iter().map(|&a| cursor.at(a, sequence)),
     );
     with_column(batch, ROW_WATERMARK, Arc::new(wm))
+}
+
+/// Whether a record of key group `group` (None: a null key) belongs to `sub`. A record
+/// with a null key (late) belongs to the first key-group range of its slice, so it is
+/// reported once.
+fn in_groups(group: Option<u16>, sub: &SubRange) -> bool {
+    match group {
+        Some(g) => g >= sub.kg_lo && g < sub.kg_hi,
+        None => sub.kg_lo == 0,
+    }
 }
 
 /// `batch` with `column` added as `name`.
