@@ -457,8 +457,7 @@ fn a_records_own_watermark_makes_it_late_even_in_a_held_pane() {
 /// window, creates no key, moves no watermark and is reported nowhere.
 #[test]
 fn a_record_judged_for_dedup_only_claims_its_identity_and_nothing_else() {
-    use arrow::array::{BooleanArray, RecordBatch};
-    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow::array::BooleanArray;
 
     let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None);
     let config = EngineConfig {
@@ -466,12 +465,11 @@ fn a_record_judged_for_dedup_only_claims_its_identity_and_nothing_else() {
         ..EngineConfig::default()
     };
     let with_only = |recs: &[Rec], only: &[bool]| {
-        let b = batch(recs);
-        let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
-        fields.push(Field::new("only", DataType::Boolean, true));
-        let mut columns = b.columns().to_vec();
-        columns.push(Arc::new(BooleanArray::from(only.to_vec())));
-        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+        with_column(
+            batch(recs),
+            "only",
+            Arc::new(BooleanArray::from(only.to_vec())),
+        )
     };
     let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
     let first = with_only(

@@ -59,14 +59,18 @@ pub fn batch(recs: &[Rec]) -> RecordBatch {
 /// [`batch`] with a column `wm`: each record's own watermark (a backfill's arrival
 /// watermark; `None` for none).
 pub fn batch_with_watermarks(recs: &[Rec], wms: &[Option<i64>]) -> RecordBatch {
-    use arrow::array::Int64Array;
-    use arrow::datatypes::{DataType, Field, Schema};
+    let wm = arrow::array::Int64Array::from(wms.to_vec());
+    with_column(batch(recs), "wm", Arc::new(wm))
+}
 
-    let b = batch(recs);
+/// `b` with `column` added as the nullable column `name`.
+pub fn with_column(b: RecordBatch, name: &str, column: arrow::array::ArrayRef) -> RecordBatch {
+    use arrow::datatypes::{Field, Schema};
+
     let mut fields: Vec<Field> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
-    fields.push(Field::new("wm", DataType::Int64, true));
+    fields.push(Field::new(name, column.data_type().clone(), true));
     let mut columns = b.columns().to_vec();
-    columns.push(Arc::new(Int64Array::from(wms.to_vec())));
+    columns.push(column);
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
 }
 
