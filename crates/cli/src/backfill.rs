@@ -137,8 +137,8 @@ pub struct StartArgs {
     pub key_group_splits: u16,
     /// Count each event once across sub-ranges as the live job did, also when its copies
     /// carry other event times or keys: each sub-range also reads, for dedup only, the
-    /// records up to a dedup horizon around it (about 1.8 times the time with 6-hour
-    /// slices; less with longer ones).
+    /// records up to a dedup horizon around it (about twice the time with 6-hour slices,
+    /// 10-20% more with 1-day slices).
     #[arg(long)]
     pub exact_dedup: bool,
     /// Who starts it (default: $USER).

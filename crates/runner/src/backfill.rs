@@ -42,9 +42,10 @@
 //! that arrived before its last file, from the dedup horizon below the first watermark its
 //! files arrived at (an identity held for less cannot be a copy of its records), and its
 //! records of other key groups. That is up to a dedup horizon of reading on each side of a
-//! sub-range (about 1.8 times the time with 6-hour slices over 50M events), so it is asked
-//! for, not the default. It refuses files without ingest-time bounds (another writer's),
-//! which it could neither place in arrival order nor rule out. Two limits remain:
+//! sub-range (about twice the time with 6-hour slices over 50M events, 10-20% more with
+//! 1-day slices), so it is asked for, not the default. A sub-range fails on a file
+//! without ingest-time bounds (another writer's), which it could neither place in arrival
+//! order nor rule out. Two limits remain:
 //! - a copy read at the low end of that reach is judged without the copies before it, so a
 //!   third copy of one event, more than a horizon earlier still, that made it a duplicate
 //!   for the live job is missed;
