@@ -304,11 +304,6 @@ pub struct FileSpans {
 }
 
 impl FileSpans {
-    /// The lowest and highest value of the column in the data file at `path`, when known.
-    pub fn span_of(&self, path: &str) -> Option<(i64, i64)> {
-        self.spans.get(path).copied()
-    }
-
     /// About how many records of `files` (path, record count: a planned read) have the
     /// column in `[from_us, to_us)`: each file's records are taken as spread evenly over
     /// its span. A file of unknown span counts whole.

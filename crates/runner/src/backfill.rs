@@ -1417,58 +1417,52 @@ impl Running {
         // first watermark of the sub-range's files. Rows of the sub-range's own files
         // outside it are such rows too.
         let horizon = self.spec.dedup_horizon_us();
-        let floor = main
-            .iter()
-            .map(|t| arrivals.first_of(&t.data_file_path))
-            .min()
-            .unwrap_or(i64::MAX);
         let exact = self.record.exact_dedup;
-        let copies_from = if exact {
-            floor.saturating_sub(horizon).min(read_from)
-        } else {
-            read_from
-        };
-        let last_arrival = main
-            .iter()
-            .map(|t| {
-                arrivals
-                    .arrival_of(&t.data_file_path)
-                    .map_or((i64::MAX, i64::MAX), |a| a.1)
-            })
-            .max();
-        let tasks = match last_arrival.filter(|_| exact) {
-            None => main,
-            Some(last) => {
-                let own: std::collections::HashSet<&str> =
-                    main.iter().map(|t| t.data_file_path.as_str()).collect();
-                let wide = plan(copies_from, i64::MAX).await?;
-                // Where a file arrived is known from its ingest-time bounds; a file without
-                // them (another writer's) could be neither placed nor ruled out.
-                let mut kept = Vec::with_capacity(wide.len());
-                for t in wide {
-                    let Some((Some(first), _)) = arrivals.arrival_of(&t.data_file_path) else {
-                        return Err(RunnerError::new(
-                            ErrorKind::InvalidInput,
-                            format!(
-                                "--exact-dedup needs the ingest-time bounds of every file it may \
-                                 read, and {} has none: run the backfill without it",
-                                t.data_file_path
-                            ),
-                        ));
-                    };
-                    if own.contains(t.data_file_path.as_str()) || first < last {
-                        kept.push(t);
-                    }
+        let (mut tasks, copies_from) = if exact && !main.is_empty() {
+            let floor = main
+                .iter()
+                .map(|t| arrivals.first_of(&t.data_file_path))
+                .min()
+                .unwrap_or(i64::MAX);
+            let copies_from = floor.saturating_sub(horizon).min(read_from);
+            let last = main
+                .iter()
+                .map(|t| {
+                    arrivals
+                        .arrival_of(&t.data_file_path)
+                        .map_or((i64::MAX, i64::MAX), |a| a.1)
+                })
+                .max()
+                .unwrap_or((i64::MAX, i64::MAX));
+            let own: std::collections::HashSet<&str> =
+                main.iter().map(|t| t.data_file_path.as_str()).collect();
+            // Where a file arrived is known from its ingest-time bounds; a file without
+            // them (another writer's) could be neither placed nor ruled out.
+            let mut kept = Vec::new();
+            for t in plan(copies_from, i64::MAX).await? {
+                let Some((Some(first), _)) = arrivals.arrival_of(&t.data_file_path) else {
+                    return Err(RunnerError::new(
+                        ErrorKind::InvalidInput,
+                        format!(
+                            "--exact-dedup needs the ingest-time bounds of every file it may \
+                             read, and {} has none: run the backfill without it",
+                            t.data_file_path
+                        ),
+                    ));
+                };
+                if own.contains(t.data_file_path.as_str()) || first < last {
+                    kept.push(t);
                 }
-                kept
             }
+            (kept, copies_from)
+        } else {
+            (main, read_from)
         };
         // Files in order of arrival (of their first records), as the live job read them:
         // of two copies of one identity the first to arrive counts. The watermark a file's
         // first record arrived at is then a floor for every record still to come, so the
         // dedup set drops the identities that expire by then rather than grow (see
         // `WindowEngine::set_dedup_floor`).
-        let mut tasks = tasks;
         tasks.sort_by_cached_key(|t| {
             (
                 arrivals.first_of(&t.data_file_path),
