@@ -522,6 +522,70 @@ fn a_record_judged_for_dedup_only_claims_its_identity_and_nothing_else() {
     );
 }
 
+/// A record judged for dedup only that the live job would not have held claims nothing: one
+/// of an event type the job filters out, or one with a null key (which the live job
+/// reports as late). A later copy of either that counts is counted.
+#[test]
+fn a_record_judged_for_dedup_only_that_the_job_would_not_hold_claims_nothing() {
+    use arrow::array::BooleanArray;
+    use arrow::compute::nullif;
+
+    let mut filtered = (*spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None)).clone();
+    filtered.source.event_types = vec!["order_placed".into()];
+    let config = EngineConfig {
+        dedup_only_column: Some("only".into()),
+        ..EngineConfig::default()
+    };
+    let mut e = WindowEngine::new(Arc::new(filtered), config).unwrap();
+    let paid = |key: &str, t: i64, id: &str, amount: i64| Rec {
+        event_type: "order_paid",
+        ..rec(key, t, id, amount)
+    };
+    // a: of a filtered type; b: with a null key; c: of a filtered type, not dedup-only.
+    let first = batch(&[
+        paid("m", 10 * S, "a", 1),
+        rec("m", 20 * S, "b", 2),
+        paid("m", 25 * S, "c", 4),
+    ]);
+    let market = first.schema().index_of("market_id").unwrap();
+    let mut columns = first.columns().to_vec();
+    columns[market] = nullif(
+        &columns[market],
+        &BooleanArray::from(vec![false, true, false]),
+    )
+    .unwrap();
+    let first = with_column(
+        arrow::array::RecordBatch::try_new(first.schema(), columns).unwrap(),
+        "only",
+        Arc::new(BooleanArray::from(vec![true, true, false])),
+    );
+    let outcome = e.process_batch(&first, "src", 0).unwrap();
+    assert_eq!(
+        (outcome.counted, outcome.duplicates, outcome.filtered),
+        (0, 0, 1),
+        "only c, which counts, is reported as filtered"
+    );
+    assert!(outcome.late.is_empty(), "b's null key is not reported");
+    assert_eq!(e.state_size().dedup_identities, 0);
+    let second = with_column(
+        batch(&[rec("m", 30 * S, "a", 8), rec("m", 40 * S, "b", 16)]),
+        "only",
+        Arc::new(BooleanArray::from(vec![false, false])),
+    );
+    let outcome = e.process_batch(&second, "src", 0).unwrap();
+    assert_eq!(
+        (outcome.counted, outcome.duplicates),
+        (2, 0),
+        "neither a nor b was claimed"
+    );
+    let rows: Vec<_> = e.finish(1).rows().collect();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].values,
+        vec![AggValue::Int(2), AggValue::Int(24), AggValue::Int(16)]
+    );
+}
+
 /// A reset engine (a backfill's next sub-range) holds nothing of its last run, dedup
 /// identities included, and runs the next input exactly as a new engine does.
 #[test]
