@@ -1331,11 +1331,34 @@ impl Lake {
     /// The reader requires a page index to select pages, and a file from another writer
     /// may have none: a read that fails before its first batch is read again whole, and
     /// fails as that read does.
+    ///
+    /// `[from_us, to_us)` is the range of the table's time column the task was planned
+    /// for. The strings stored as dictionaries come out as `Dictionary(Int32, Utf8)` (see
+    /// `ranged`) where the file allows; other files are read by Iceberg's reader.
     pub async fn read_pages_in_range(
         &self,
         table: LakeTable,
         task: FileScanTask,
+        from_us: i64,
+        to_us: i64,
     ) -> Result<ArrowRecordBatchStream> {
+        let t = self.table(table).await?;
+        match crate::ranged::open(
+            t.file_io(),
+            &task,
+            table.time_column(),
+            from_us,
+            to_us,
+            8192,
+        )
+        .await
+        {
+            Ok(Some(stream)) => return Ok(stream),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");
+            }
+        }
         let mut pages = self.read_with(table, vec![task.clone()], true).await?;
         match pages.next().await {
             Some(Err(e)) => {

@@ -31,6 +31,7 @@ mod maintain;
 mod pinned;
 mod promote;
 mod provider;
+mod ranged;
 mod sql;
 
 pub use arrival::{ArrivalCursor, ArrivalKey, ArrivalWatermarks, ArrivedFile, FileSpans};

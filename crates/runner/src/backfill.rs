@@ -1418,7 +1418,8 @@ impl Running {
         // outside it are such rows too.
         let horizon = self.spec.dedup_horizon_us();
         let exact = self.record.exact_dedup;
-        let (mut tasks, copies_from) = if exact && !main.is_empty() {
+        let main_empty = main.is_empty();
+        let (mut tasks, copies_from) = if exact && !main_empty {
             let floor = main
                 .iter()
                 .map(|t| arrivals.first_of(&t.data_file_path))
@@ -1491,6 +1492,12 @@ impl Running {
         let expected =
             self.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
         engine.reserve(expected.min(16_000_000) as usize);
+        // The event-time range every task was planned for (`plan` above).
+        let planned = if exact && !main_empty {
+            (copies_from, i64::MAX)
+        } else {
+            (read_from, sub.to_us)
+        };
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
@@ -1507,7 +1514,7 @@ impl Running {
             bytes_counter.inc_by(bytes);
             let mut stream = self
                 .lake
-                .read_pages_in_range(LakeTable::Events, task)
+                .read_pages_in_range(LakeTable::Events, task, planned.0, planned.1)
                 .await?;
             while let Some(batch) = stream.try_next().await.map_err(|e| {
                 RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))

@@ -28,7 +28,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use arrow::array::{Array, AsArray, BooleanArray, RecordBatch, StringArray};
+use arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
 use arrow::datatypes::{DataType, Int64Type, TimestampMicrosecondType};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -41,6 +41,7 @@ use crate::keys::{self, KeyTable};
 use crate::output::{BatchOutcome, Completeness, Emissions, LateReason, LateRecord, Version};
 use crate::panes::{AggWords, PaneSlab};
 use crate::spec::{AggregateFunction, JobSpec, WindowSpec, micros};
+use crate::strs::Strs;
 use crate::timers::WindowTimers;
 use crate::watermark::Watermarks;
 
@@ -561,11 +562,11 @@ impl PartialOrd for Timer {
 
 /// Column positions of a batch, resolved once per batch.
 struct Columns<'a> {
-    keys: Vec<&'a StringArray>,
+    keys: Vec<Strs<'a>>,
     time: &'a arrow::array::PrimitiveArray<TimestampMicrosecondType>,
-    identity: Vec<&'a StringArray>,
-    event_type: Option<&'a StringArray>,
-    input: Option<&'a StringArray>,
+    identity: Vec<Strs<'a>>,
+    event_type: Option<Strs<'a>>,
+    input: Option<Strs<'a>>,
     agg_inputs: Vec<Option<&'a arrow::array::PrimitiveArray<Int64Type>>>,
     row_watermark: Option<&'a arrow::array::PrimitiveArray<Int64Type>>,
     dedup_only: Option<&'a BooleanArray>,
@@ -573,7 +574,7 @@ struct Columns<'a> {
 
 /// A multi-column key of `row` into `buf`: the values joined with `|`, each escaped, so
 /// ("a|b", "c") and ("a", "b|c") stay different keys.
-fn join_key(keys: &[&StringArray], row: usize, buf: &mut String) {
+fn join_key(keys: &[Strs<'_>], row: usize, buf: &mut String) {
     buf.clear();
     for (i, k) in keys.iter().enumerate() {
         if i > 0 {
@@ -657,16 +658,16 @@ fn col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
     })
 }
 
-fn str_col<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a StringArray> {
-    col(batch, name)?.as_string_opt::<i32>().ok_or_else(|| {
+fn str_col<'a>(batch: &'a RecordBatch, name: &str) -> Result<Strs<'a>> {
+    Strs::of(col(batch, name)?.as_ref()).ok_or_else(|| {
         WindowError::new(
             ErrorKind::InvalidInput,
-            format!("column `{name}` must be Utf8"),
+            format!("column `{name}` must be Utf8 or Dictionary(Int32, Utf8)"),
         )
     })
 }
 
-fn str_cols<'a>(batch: &'a RecordBatch, names: &[String]) -> Result<Vec<&'a StringArray>> {
+fn str_cols<'a>(batch: &'a RecordBatch, names: &[String]) -> Result<Vec<Strs<'a>>> {
     names.iter().map(|c| str_col(batch, c)).collect()
 }
 
@@ -980,17 +981,29 @@ impl WindowEngine {
         // each have a short loop of their own, in which the CPU keeps many of their
         // cache misses in flight at once. In the loop of a whole record they came one at
         // a time: the dedup probes alone were four-tenths of a backfill's time.
+        let type_of = |v: &str| {
+            type_names
+                .iter()
+                .position(|n| n.len() == v.len() && *n == v)
+        };
+        // A dictionary's types are resolved once per value.
+        let dict_types: Option<Vec<Option<usize>>> =
+            cols.event_type.and_then(|c| c.values()).map(|values| {
+                (0..values.len())
+                    .map(|i| type_of(values.value(i)))
+                    .collect()
+            });
         let mut routed: Vec<Routed> = Vec::with_capacity(batch.num_rows());
         for row in 0..batch.num_rows() {
             let dedup_only = cols
                 .dedup_only
                 .is_some_and(|c| c.is_valid(row) && c.value(row));
-            let type_ix = cols.event_type.and_then(|c| {
-                let v = c.value(row);
-                type_names
-                    .iter()
-                    .position(|n| n.len() == v.len() && *n == v)
-            });
+            let type_ix = cols
+                .event_type
+                .and_then(|c| match (c.code(row), &dict_types) {
+                    (Some(code), Some(types)) => types[code].filter(|_| !c.is_null(row)),
+                    _ => type_of(c.value(row)),
+                });
             if filtered_types > 0 && type_ix.is_none_or(|i| i >= filtered_types) {
                 outcome.filtered += u64::from(!dedup_only);
                 continue;
@@ -1089,7 +1102,23 @@ impl WindowEngine {
         // Keys of one column, in record order (ids are given in order of first sight), a
         // chunk at a time: the chunk's keys are hashed and their home slots read in a loop
         // of their own (see `KeyTable::touch`), then looked up from cache.
-        if let [k] = cols.keys[..] {
+        if let [k] = cols.keys[..]
+            && let Some(values) = k.values()
+        {
+            // A dictionary's keys are hashed and interned once per value, in the order of
+            // first sight (the ids a plain column gives).
+            let mut ids: Vec<u32> = vec![NO_KEY; values.len()];
+            for r in routed.iter_mut().filter(|r| r.key != DEDUP_ONLY) {
+                let Some(code) = k.code(r.row as usize) else {
+                    continue;
+                };
+                if ids[code] == NO_KEY {
+                    let key = values.value(code);
+                    ids[code] = self.intern_hashed(key, keys::hash(key));
+                }
+                r.key = ids[code];
+            }
+        } else if let [k] = cols.keys[..] {
             let mut hashes = std::mem::take(&mut self.hash_buf);
             for chunk in routed.chunks_mut(READ_AHEAD) {
                 hashes.clear();
@@ -1927,7 +1956,7 @@ impl WindowEngine {
 /// The dedup identity of `row`: XXH3-128 over each column's value as a little-endian `u32`
 /// length and its bytes (null as empty), except that the last of two columns goes without its
 /// length. One-shot over `buf` (the same digest as streaming the parts).
-fn identity_hash(columns: &[&StringArray], row: usize, buf: &mut Vec<u8>) -> u128 {
+fn identity_hash(columns: &[Strs<'_>], row: usize, buf: &mut Vec<u8>) -> u128 {
     buf.clear();
     let two = columns.len() == 2;
     for (i, c) in columns.iter().enumerate() {
@@ -1947,6 +1976,7 @@ fn identity_hash(columns: &[&StringArray], row: usize, buf: &mut Vec<u8>) -> u12
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow::array::StringArray;
 
     /// Checkpoints written when a session's accumulator was a `Vec` restore into the
     /// in-place one: both serialise to the same bytes.
@@ -1972,7 +2002,7 @@ mod tests {
         streamed.update(b"acme");
         streamed.update(b"e-1");
         assert_eq!(
-            identity_hash(&[&tenant, &event], 0, &mut buf),
+            identity_hash(&[Strs::Plain(&tenant), Strs::Plain(&event)], 0, &mut buf),
             streamed.digest128()
         );
         let mut streamed = xxhash_rust::xxh3::Xxh3::new();
@@ -1986,7 +2016,11 @@ mod tests {
             StringArray::from(vec!["e-1"]),
         );
         assert_eq!(
-            identity_hash(&[&t, &e, &third], 0, &mut buf),
+            identity_hash(
+                &[Strs::Plain(&t), Strs::Plain(&e), Strs::Plain(&third)],
+                0,
+                &mut buf
+            ),
             streamed.digest128()
         );
     }

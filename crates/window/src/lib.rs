@@ -24,6 +24,7 @@ mod output;
 mod panes;
 mod spec;
 mod state;
+mod strs;
 mod timers;
 mod watermark;
 
