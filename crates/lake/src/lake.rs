@@ -1353,7 +1353,13 @@ impl Lake {
         )
         .await
         {
-            Ok(Some(stream)) => return Ok(stream),
+            // A read that fails before its first batch is left to Iceberg's reader.
+            Ok(Some(mut ranged)) => match ranged.next().await {
+                Some(Err(e)) => {
+                    tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");
+                }
+                first => return Ok(stream::iter(first).chain(ranged).boxed()),
+            },
             Ok(None) => {}
             Err(e) => {
                 tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");

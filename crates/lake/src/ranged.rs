@@ -157,7 +157,9 @@ fn all_dictionary(metadata: &ParquetMetaData, i: usize) -> bool {
 }
 
 /// The pages whose `column` statistics can hold a value in `[from_us, to_us)`, as a row
-/// selection over the file; None without a page index (every page is read).
+/// selection over the file; None without a usable page index (every page is read).
+/// (Iceberg's file reader requires the page index when it loads the metadata, so a file
+/// without one fails to open here and goes to Iceberg's reader.)
 fn pages_in_range(
     meta: &ArrowReaderMetadata,
     column: &str,
@@ -174,6 +176,15 @@ fn pages_in_range(
     .ok()?;
     let mut selectors = Vec::new();
     for rg in 0..metadata.num_row_groups() {
+        // An empty row group has no rows to select; one with rows but without page
+        // locations is read whole.
+        if metadata.row_group(rg).num_rows() == 0 {
+            continue;
+        }
+        let locations = offsets.get(rg)?.get(converter.parquet_column_index()?)?;
+        if locations.page_locations().is_empty() {
+            return None;
+        }
         let mins = converter.data_page_mins(columns, offsets, [&rg]).ok()?;
         let maxes = converter.data_page_maxes(columns, offsets, [&rg]).ok()?;
         let counts = converter

@@ -1001,7 +1001,8 @@ impl WindowEngine {
             let type_ix = cols
                 .event_type
                 .and_then(|c| match (c.code(row), &dict_types) {
-                    (Some(code), Some(types)) => types[code].filter(|_| !c.is_null(row)),
+                    (Some(_), _) if c.is_null(row) => None,
+                    (Some(code), Some(types)) => types.get(code).copied().flatten(),
                     _ => type_of(c.value(row)),
                 });
             if filtered_types > 0 && type_ix.is_none_or(|i| i >= filtered_types) {

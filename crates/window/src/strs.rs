@@ -56,8 +56,8 @@ impl<'a> Strs<'a> {
         }
     }
 
-    /// The dictionary value index of `row`, and the number of values (None when plain).
-    /// The index of a null row is in range but meaningless.
+    /// The dictionary value index of `row` (None when plain). The index of a null row is
+    /// meaningless, and may be out of range.
     #[inline]
     pub(crate) fn code(&self, row: usize) -> Option<usize> {
         match self {

@@ -740,3 +740,67 @@ fn a_dedup_floor_changes_no_output_and_bounds_the_set() {
         .unwrap_err();
     assert_eq!(err.kind(), signalweave_model::ErrorKind::Internal);
 }
+
+/// Dictionary-encoded columns (as a backfill reads them): a null event type is filtered
+/// (also with an empty dictionary, whose null keys point nowhere), and a key that points
+/// at a null value is a null key.
+#[test]
+fn dictionary_columns_with_null_types_and_null_values_are_filtered_and_late() {
+    use arrow::array::{ArrayRef, DictionaryArray, Int32Array, RecordBatch, StringArray};
+    use arrow::datatypes::Int32Type;
+
+    let mut filtered = (*spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None)).clone();
+    filtered.source.event_types = vec!["order_placed".into()];
+    let mut e = WindowEngine::new(Arc::new(filtered), EngineConfig::default()).unwrap();
+    let dict = |keys: Vec<Option<i32>>, values: Vec<Option<&str>>| -> ArrayRef {
+        Arc::new(
+            DictionaryArray::<Int32Type>::try_new(
+                Int32Array::from(keys),
+                Arc::new(StringArray::from(values)),
+            )
+            .unwrap(),
+        )
+    };
+    let replace = |b: RecordBatch, name: &str, column: ArrayRef| {
+        let i = b.schema().index_of(name).unwrap();
+        let mut fields: Vec<_> = b.schema().fields().iter().map(|f| (**f).clone()).collect();
+        fields[i] = arrow::datatypes::Field::new(name, column.data_type().clone(), true);
+        let mut columns = b.columns().to_vec();
+        columns[i] = column;
+        RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns).unwrap()
+    };
+    // a: null type; b: its key points at a null value; c: counts.
+    let first = batch(&[
+        rec("m", 10 * S, "a", 1),
+        rec("m", 20 * S, "b", 2),
+        rec("m", 30 * S, "c", 4),
+    ]);
+    let first = replace(
+        first,
+        "event_type",
+        dict(vec![None, Some(0), Some(0)], vec![Some("order_placed")]),
+    );
+    let first = replace(
+        first,
+        "market_id",
+        dict(vec![Some(0), Some(1), Some(0)], vec![Some("m"), None]),
+    );
+    let outcome = e.process_batch(&first, "src", 0).unwrap();
+    assert_eq!((outcome.counted, outcome.filtered), (1, 1));
+    assert_eq!(outcome.late.len(), 1);
+    assert_eq!(
+        (outcome.late[0].row, outcome.late[0].reason),
+        (1, LateReason::NullKey)
+    );
+    // Every type null: the dictionary is empty.
+    let second = batch(&[rec("m", 40 * S, "d", 8), rec("m", 50 * S, "e", 16)]);
+    let second = replace(second, "event_type", dict(vec![None, None], vec![]));
+    let outcome = e.process_batch(&second, "src", 0).unwrap();
+    assert_eq!((outcome.counted, outcome.filtered), (0, 2));
+    let rows: Vec<_> = e.finish(0).rows().collect();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].values,
+        vec![AggValue::Int(1), AggValue::Int(4), AggValue::Int(4)]
+    );
+}
