@@ -1343,27 +1343,25 @@ impl Lake {
         to_us: i64,
     ) -> Result<ArrowRecordBatchStream> {
         let t = self.table(table).await?;
-        match crate::ranged::open(
+        let ranged = crate::ranged::open(
             t.file_io(),
             &task,
             table.time_column(),
             from_us,
             to_us,
             8192,
-        )
-        .await
-        {
-            // A read that fails before its first batch is left to Iceberg's reader.
+        );
+        // A read that fails before its first batch is left to Iceberg's reader.
+        let failed = match ranged.await {
             Ok(Some(mut ranged)) => match ranged.next().await {
-                Some(Err(e)) => {
-                    tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");
-                }
+                Some(Err(e)) => Some(e),
                 first => return Ok(stream::iter(first).chain(ranged).boxed()),
             },
-            Ok(None) => {}
-            Err(e) => {
-                tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");
-            }
+            Ok(None) => None,
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            tracing::debug!(file = %task.data_file_path, error = %e, "ranged read failed; reading with Iceberg's reader");
         }
         let mut pages = self.read_with(table, vec![task.clone()], true).await?;
         match pages.next().await {

@@ -1418,8 +1418,9 @@ impl Running {
         // outside it are such rows too.
         let horizon = self.spec.dedup_horizon_us();
         let exact = self.record.exact_dedup;
-        let main_empty = main.is_empty();
-        let (mut tasks, copies_from) = if exact && !main_empty {
+        // The tasks, where the copies are read from, and the event-time range every task
+        // was planned for (`plan` above: its reads filter by it).
+        let (mut tasks, copies_from, planned) = if exact && !main.is_empty() {
             let floor = main
                 .iter()
                 .map(|t| arrivals.first_of(&t.data_file_path))
@@ -1455,9 +1456,9 @@ impl Running {
                     kept.push(t);
                 }
             }
-            (kept, copies_from)
+            (kept, copies_from, (copies_from, i64::MAX))
         } else {
-            (main, read_from)
+            (main, read_from, (read_from, sub.to_us))
         };
         // Files in order of arrival (of their first records), as the live job read them:
         // of two copies of one identity the first to arrive counts. The watermark a file's
@@ -1492,12 +1493,6 @@ impl Running {
         let expected =
             self.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
         engine.reserve(expected.min(16_000_000) as usize);
-        // The event-time range every task was planned for (`plan` above).
-        let planned = if exact && !main_empty {
-            (copies_from, i64::MAX)
-        } else {
-            (read_from, sub.to_us)
-        };
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
