@@ -1476,8 +1476,8 @@ impl Running {
         // about twice the memory, every page of it faulted in on first use. Since a floor
         // lets it drop what expires, it holds the records of about a horizon plus the file
         // being read, and is kept at most three-eighths full after a sweep: the records of
-        // four horizons leave room for that without a growth, in which the old and the new
-        // set are held at once. An estimate short of what comes grows the set.
+        // four horizons leave room for that without a growth, which holds the old and the
+        // new log at once. An estimate short of what comes grows the set.
         let held_to = copies_from
             .saturating_add(horizon.saturating_mul(4))
             .min(sub.to_us);

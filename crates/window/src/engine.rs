@@ -369,8 +369,8 @@ struct Routed {
 }
 
 pub(crate) const NO_SLAB: u32 = u32::MAX;
-/// Records whose dedup slots are read ahead at a time: their cache lines (16 KiB) stay in
-/// the core's first-level cache (48 KiB here) until observed.
+/// Records whose dedup index entries are read ahead at a time: their cache lines (16 KiB)
+/// stay in the core's first-level cache (48 KiB here) until observed.
 const DEDUP_CHUNK: usize = 256;
 /// Keys whose state is read ahead at a time: a chunk of records' keys and window lists in
 /// `process_batch`, and a fire's keys (see [`touch_windows`]).
@@ -1152,9 +1152,9 @@ impl WindowEngine {
         });
         // Dedup, in record order. An identity held past its horizon (not yet swept)
         // counts as absent, so classification never depends on when the sweep ran.
-        // The set makes room for the batch first, so no observe moves a slot and each
-        // identity's first probe is known: a chunk's slots are read in a loop of their own
-        // (see `DedupSet::touch`), then observed from cache.
+        // The set makes room for the batch first, so no observe moves an index entry and
+        // each identity's first probe is known: a chunk's entries are read in a loop of
+        // their own (see `DedupSet::touch`), then observed from cache.
         let candidates = routed.len();
         self.dedup
             .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
@@ -1664,13 +1664,13 @@ impl WindowEngine {
             self.early_keys.clear();
         }
         // 5. Dedup identities past their horizon, once the set is a quarter full: a
-        // sweep reads every slot, and before then it cannot save the set a growth (a
+        // sweep reads every identity and indexes the survivors again, and before then it cannot save the set a growth (a
         // backfill sizes its set for the whole sub-range). Identities past their horizon
         // count as absent whether swept or not.
         if wm == i64::MAX {
             // The end of input: every identity is past its horizon, so the set is emptied
             // whole, its memory kept for a reset (a backfill finishes each sub-range;
-            // sweeping its set slot by slot cost a twelfth of the backfill).
+            // sweeping its set identity by identity cost a twelfth of the backfill).
             self.dedup.clear();
             self.dedup_swept_at = wm;
         } else if wm > self.dedup_swept_at.saturating_add(self.horizon_us / 8 + 1)
