@@ -1,6 +1,7 @@
 //! The `signalweave` binary end to end: load a committed fixture and count it with
 //! `sql` (embedded and, where Garage runs, S3), regenerate the golden fixture, bad
-//! input exits, and a `load` killed with SIGKILL mid-way then rerun.
+//! input exits, a `load` killed with SIGKILL mid-way then rerun, and `bench backfill` on
+//! a small lake.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -97,6 +98,33 @@ fn load_then_sql_counts_the_fixture_on_s3() {
     };
     std::fs::write(&profile, support::s3_profile(&config)).unwrap();
     load_and_count(&profile);
+}
+
+/// `bench backfill` on a small lake: the backfill, DataFusion's two queries and the
+/// backfill's reading alone all run, and the reading reads every landed event once.
+#[test]
+fn bench_backfill_runs_on_a_small_lake_and_reads_every_event_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = support::repo().join("jobs/market_aggregates.toml");
+    let out = ok(sw(
+        dir.path(),
+        &[
+            "bench",
+            "backfill",
+            "--events",
+            "30000",
+            "--slice",
+            "1h",
+            "--job",
+            job.to_str().unwrap(),
+        ],
+    ));
+    assert!(out.contains("ratio backfill / DataFusion"), "{out}");
+    let read = out
+        .lines()
+        .find(|l| l.starts_with("the backfill's reading alone"))
+        .unwrap_or_else(|| panic!("no reading-alone line in\n{out}"));
+    assert!(read.contains("(30000 rows)"), "{read}");
 }
 
 #[test]

@@ -1683,7 +1683,7 @@ impl Running {
 
 /// The landing-table columns a backfill of `spec` reads: the engine's, the arrival time,
 /// and those of a late record.
-fn source_columns(spec: &JobSpec) -> Vec<String> {
+pub fn source_columns(spec: &JobSpec) -> Vec<String> {
     let mut columns: Vec<String> = [
         "tenant",
         "event_id",
