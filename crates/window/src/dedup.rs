@@ -113,7 +113,7 @@ impl Default for DedupSet {
     }
 }
 
-const MIN_SLOTS: usize = 1024;
+const MIN_ENTRIES: usize = 1024;
 
 /// The first entry to probe for `id` among `n`: the digest's bits above the tag, folded
 /// to 64 and scaled to `n` (a multiply and a shift, so `n` need not be a power of two and
@@ -165,7 +165,7 @@ impl DedupSet {
         let need = self.len().saturating_add(more).saturating_mul(2);
         if need > self.entries() {
             let step = (need.next_power_of_two() / 16).max(1);
-            self.rebuild(need.div_ceil(step).saturating_mul(step).max(MIN_SLOTS));
+            self.rebuild(need.div_ceil(step).saturating_mul(step).max(MIN_ENTRIES));
         }
     }
 
@@ -192,7 +192,7 @@ impl DedupSet {
             }
             n = n.saturating_mul(2);
         }
-        n = n.max(MIN_SLOTS);
+        n = n.max(MIN_ENTRIES);
         while n < need(self.len()) {
             n = n.saturating_mul(2);
         }
@@ -220,7 +220,7 @@ impl DedupSet {
     #[inline]
     pub fn observe(&mut self, id: u128, expires: i64, group: u16, wm: i64) -> bool {
         if (self.len() + 1) * 2 > self.entries() {
-            self.rebuild((self.entries() * 2).max(MIN_SLOTS));
+            self.rebuild((self.entries() * 2).max(MIN_ENTRIES));
         }
         let index = self.index.get_mut();
         let n = index.len();
@@ -279,8 +279,16 @@ impl DedupSet {
     /// came, and indexes them again.
     pub fn retain(&mut self, keep: impl Fn(i64, u16) -> bool) {
         let before = self.log.len();
-        self.log.retain(|s| keep(s.expires, s.group));
-        self.earliest = self.log.iter().map(|s| s.expires).min().unwrap_or(i64::MAX);
+        // Recomputed over what is kept, in the same pass.
+        let mut earliest = i64::MAX;
+        self.log.retain(|s| {
+            let kept = keep(s.expires, s.group);
+            if kept {
+                earliest = earliest.min(s.expires);
+            }
+            kept
+        });
+        self.earliest = earliest;
         if self.log.len() < before {
             let index = self.index.get_mut();
             index.fill(0);
