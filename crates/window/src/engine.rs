@@ -291,6 +291,23 @@ impl Window {
     }
 }
 
+/// How far back from a key's newest window [`pane_slab`] looks.
+const PANE_LOOKBACK: usize = 3;
+
+/// The slab slot of the pane starting at `pane` among a key's `windows`, if it is held
+/// and one of the newest few: the newest pane takes nearly every record of an active key,
+/// and the few before it take records that arrive out of order across a pane's boundary.
+/// ([`NO_SLAB`] otherwise: the caller takes the full path.)
+#[inline]
+fn pane_slab(windows: &[Window], pane: i64) -> u32 {
+    for w in windows.iter().rev().take(PANE_LOOKBACK) {
+        if w.start <= pane {
+            return if w.start == pane { w.slab() } else { NO_SLAB };
+        }
+    }
+    NO_SLAB
+}
+
 /// A key's tumbling or sliding windows, sorted by start: two of them (a tumbling job's
 /// open window and the one before it, held for its lateness) in place, in the key's entry,
 /// so the newest is found with one read and a key costs no allocation; more on the heap.
@@ -1224,8 +1241,17 @@ impl WindowEngine {
             for &r in chunk {
                 let (row, key_id, wm) = (r.row as usize, r.key, r.wm);
                 let t = cols.time.value(row);
-                if r.slab != NO_SLAB {
-                    self.slab.apply(r.slab, t, r.offset, &plan, r.type_ix, row);
+                // A record whose pane an earlier record of this batch made (a batch can
+                // span more than a pane: a backfill's nearly always does) finds it here.
+                let held = if r.slab != NO_SLAB {
+                    Some((r.slab, r.offset))
+                } else if session {
+                    None
+                } else {
+                    self.claim_held_pane(key_id, t, wm)
+                };
+                if let Some((slab, offset)) = held {
+                    self.slab.apply(slab, t, offset, &plan, r.type_ix, row);
                     outcome.counted += 1;
                     continue;
                 }
@@ -1267,19 +1293,18 @@ impl WindowEngine {
         Ok(outcome)
     }
 
-    /// Sets the slab slot of each record whose pane is already its key's newest (nearly
-    /// every record of a key that is still active), marking the pane changed. A short loop
-    /// of its own, reading one small entry per key, so the CPU keeps many records' cache
-    /// misses in flight at once; in the loop of a whole record, through the key's pane
-    /// list, they came one at a time (process_batch 1.5 times as fast). Late records and records for other panes keep [`NO_SLAB`] and take the full
-    /// path.
+    /// Sets the slab slot of each record whose pane is held among its key's newest few
+    /// (see [`pane_slab`]: nearly every record of a key that is still active), marking the
+    /// pane changed. A short loop of its own, reading one small entry per key, so the CPU
+    /// keeps many records' cache misses in flight at once; in the loop of a whole record,
+    /// through the key's pane list, they came one at a time (process_batch 1.5 times as
+    /// fast). Late records and records of panes not yet held keep [`NO_SLAB`]; the apply
+    /// loop looks again for the latter, as a record before them may make their pane.
     fn find_newest_panes(
         &mut self,
         routed: &mut [Routed],
         time: &arrow::array::PrimitiveArray<TimestampMicrosecondType>,
     ) {
-        let (pane_us, per_window, lateness) =
-            (self.pane_us, self.panes_per_window, self.lateness_us);
         // Each chunk's window lists are read ahead (see `touch_windows`): over 100,000 keys,
         // the walk's wait for each key's list was about a seventh of `process_batch`.
         for chunk in routed.chunks_mut(READ_AHEAD) {
@@ -1288,7 +1313,7 @@ impl WindowEngine {
                 None,
                 chunk.iter().map(|r| r.key),
             ));
-            self.newest_panes_of(chunk, time, pane_us, per_window, lateness);
+            self.newest_panes_of(chunk, time);
         }
     }
 
@@ -1297,29 +1322,39 @@ impl WindowEngine {
         &mut self,
         routed: &mut [Routed],
         time: &arrow::array::PrimitiveArray<TimestampMicrosecondType>,
-        pane_us: i64,
-        per_window: i64,
-        lateness: i64,
     ) {
         for r in routed {
-            let t = time.value(r.row as usize);
-            let pane = t.div_euclid(pane_us);
-            let newest_end = pane_window_bounds(pane, pane_us, per_window).1;
-            if r.wm >= newest_end.saturating_add(lateness) {
-                continue;
-            }
-            let newest = Window::newest(&self.key_windows[r.key as usize]);
-            let slab = newest.slab();
-            if slab != NO_SLAB && newest.start == pane {
-                let dirty = &mut self.pane_dirty[slab as usize];
-                if !*dirty {
-                    *dirty = true;
-                    self.dirty_panes.push((r.key, pane));
-                }
+            if let Some((slab, offset)) =
+                self.claim_held_pane(r.key, time.value(r.row as usize), r.wm)
+            {
                 r.slab = slab;
-                r.offset = PaneSlab::offset(t, pane, pane_us);
+                r.offset = offset;
             }
         }
+    }
+
+    /// The slab slot of the pane that holds `t` for `key`, and `t`'s offset in it, if the
+    /// pane is held among the key's newest few windows (see [`pane_slab`]) and a record
+    /// judged by watermark `wm` is on time for it; the pane is marked changed. `None`
+    /// otherwise: the record takes the full path ([`Self::add_to_pane`]).
+    #[inline]
+    fn claim_held_pane(&mut self, key: u32, t: i64, wm: i64) -> Option<(u32, u32)> {
+        let pane_us = self.pane_us;
+        let pane = t.div_euclid(pane_us);
+        let newest_end = pane_window_bounds(pane, pane_us, self.panes_per_window).1;
+        if wm >= newest_end.saturating_add(self.lateness_us) {
+            return None;
+        }
+        let slab = pane_slab(&self.key_windows[key as usize], pane);
+        if slab == NO_SLAB {
+            return None;
+        }
+        let dirty = &mut self.pane_dirty[slab as usize];
+        if !*dirty {
+            *dirty = true;
+            self.dirty_panes.push((key, pane));
+        }
+        Some((slab, PaneSlab::offset(t, pane, pane_us)))
     }
 
     fn add_to_pane(&mut self, key: u32, t: i64, delta: &[i64], wm: i64) -> bool {
