@@ -11,7 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{
+    BatchSize, BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main,
+};
 use datafusion::datasource::MemTable;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use signalweave_fixtures::{Generator, Record, WorkloadSpec};
@@ -58,7 +61,10 @@ fn job(name: &str) -> Arc<JobSpec> {
     Arc::new(JobSpec::from_file(repo().join(format!("jobs/{name}.toml"))).unwrap())
 }
 
-fn run(spec: &Arc<JobSpec>, data: &[RecordBatch]) -> usize {
+/// Runs the engine over `data`, firing after each batch. The processing time advances by
+/// `step_us` per batch: a second, as the live job sees it, or 0, as a backfill runs (one
+/// processing time, so early triggers never fire).
+fn run_stepped(spec: &Arc<JobSpec>, data: &[RecordBatch], step_us: i64) -> usize {
     let mut e = WindowEngine::new(Arc::clone(spec), EngineConfig::default()).unwrap();
     let mut emitted = 0;
     let mut proc = 0;
@@ -68,22 +74,25 @@ fn run(spec: &Arc<JobSpec>, data: &[RecordBatch]) -> usize {
         let rows = e.fire(proc);
         emitted += rows.len();
         e.recycle(rows);
-        proc += 1_000_000;
+        proc += step_us;
     }
     emitted + e.finish(proc).len()
 }
 
-/// As a backfill runs the engine: at one processing time, so early triggers never fire.
-fn run_flat(spec: &Arc<JobSpec>, data: &[RecordBatch]) -> usize {
-    let mut e = WindowEngine::new(Arc::clone(spec), EngineConfig::default()).unwrap();
-    let mut emitted = 0;
-    for b in data {
-        e.process_batch(b, "bench", 0).unwrap();
-        let rows = e.fire(0);
-        emitted += rows.len();
-        e.recycle(rows);
-    }
-    emitted + e.finish(0).len()
+fn run(spec: &Arc<JobSpec>, data: &[RecordBatch]) -> usize {
+    run_stepped(spec, data, 1_000_000)
+}
+
+/// Benches DataFusion running `sql` on `ctx` as `name` in `g`.
+fn bench_sql(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    (rt, ctx): &(tokio::runtime::Runtime, SessionContext),
+    sql: &str,
+) {
+    g.bench_function(name, |b| {
+        b.iter(|| rt.block_on(async { ctx.sql(sql).await.unwrap().collect().await.unwrap() }))
+    });
 }
 
 fn datafusion_market(data: &[RecordBatch]) -> (tokio::runtime::Runtime, SessionContext) {
@@ -148,15 +157,15 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10);
     g.throughput(Throughput::Elements(EVENTS));
     g.bench_function("signalweave_engine", |b| {
-        b.iter(|| run_flat(&market, &narrow))
+        b.iter(|| run_stepped(&market, &narrow, 0))
     });
-    let (rt, ctx) = datafusion_market(&narrow);
-    let plain_sql = market_sql("events");
-    g.bench_function("datafusion_sql_1_partition", |b| {
-        b.iter(|| {
-            rt.block_on(async { ctx.sql(&plain_sql).await.unwrap().collect().await.unwrap() })
-        })
-    });
+    let df = datafusion_market(&narrow);
+    bench_sql(
+        &mut g,
+        "datafusion_sql_1_partition",
+        &df,
+        &market_sql("events"),
+    );
     g.finish();
     // 100k markets, 10k events/s: each key sees about one event per window.
     let market_data = batches(100_000, 100_000, 10_000);
@@ -168,18 +177,19 @@ fn bench(c: &mut Criterion) {
     g.bench_function("signalweave_engine", |b| {
         b.iter(|| run(&market, &market_data))
     });
-    let (rt, ctx) = datafusion_market(&market_data);
-    let (plain_sql, dedup_sql) = (market_sql("events"), market_sql(DEDUPLICATED));
-    g.bench_function("datafusion_sql_1_partition", |b| {
-        b.iter(|| {
-            rt.block_on(async { ctx.sql(&plain_sql).await.unwrap().collect().await.unwrap() })
-        })
-    });
-    g.bench_function("datafusion_sql_with_dedup_1_partition", |b| {
-        b.iter(|| {
-            rt.block_on(async { ctx.sql(&dedup_sql).await.unwrap().collect().await.unwrap() })
-        })
-    });
+    let df = datafusion_market(&market_data);
+    bench_sql(
+        &mut g,
+        "datafusion_sql_1_partition",
+        &df,
+        &market_sql("events"),
+    );
+    bench_sql(
+        &mut g,
+        "datafusion_sql_with_dedup_1_partition",
+        &df,
+        &market_sql(DEDUPLICATED),
+    );
     g.finish();
 
     // customer_features: sliding 10 min / 1 min over 100k customers, against tumbling on the same data.
