@@ -30,11 +30,24 @@ pub struct ArrivalWatermarks {
     /// ((largest ingest time, sequence number) of a file, running maximum of event time
     /// up to it), by arrival.
     steps: Vec<((i64, i64), i64)>,
-    /// Of each data file, by path: its sequence number, the watermark its first record
-    /// arrived at (`i64::MIN` when unknown), and its lowest (when known) and highest
-    /// ingest times.
-    files: std::collections::HashMap<String, (i64, i64, Option<i64>, i64)>,
+    /// Of each data file, by path.
+    files: std::collections::HashMap<String, FileArrival>,
     bound_us: i64,
+}
+
+/// When one data file's records arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileArrival {
+    sequence: i64,
+    /// The watermark its first record arrived at (`i64::MIN` when unknown).
+    first_watermark: i64,
+    /// Its lowest ingest time, when known.
+    first_ingest: Option<i64>,
+    /// Its highest ingest time.
+    last_ingest: i64,
+    /// The one watermark all its records arrived at, when that is known (see
+    /// [`ArrivalWatermarks::uniform_of`]).
+    uniform: Option<i64>,
 }
 
 /// Where a record stands in arrival order: (ingest time, sequence number of its file).
@@ -53,6 +66,9 @@ pub struct ArrivedFile {
     pub sequence: i64,
     /// The highest event time of its records (µs).
     pub last_event: i64,
+    /// Whether its statistics count no null in its arrival column, nor in any column
+    /// [`Lake::file_statistics`] was asked to vouch for.
+    pub null_free: bool,
 }
 
 impl ArrivalWatermarks {
@@ -80,7 +96,20 @@ impl ArrivalWatermarks {
             .into_iter()
             .map(|f| {
                 let first = f.first_ingest.map_or(i64::MIN, |a| w.at(a, f.sequence));
-                (f.path, (f.sequence, first, f.first_ingest, f.last_ingest))
+                // The watermark never goes back, so records that arrived between two
+                // arrivals at one watermark arrived at that one too.
+                let uniform = f
+                    .first_ingest
+                    .filter(|_| f.null_free && w.at(f.last_ingest, f.sequence) == first)
+                    .map(|_| first);
+                let arrival = FileArrival {
+                    sequence: f.sequence,
+                    first_watermark: first,
+                    first_ingest: f.first_ingest,
+                    last_ingest: f.last_ingest,
+                    uniform,
+                };
+                (f.path, arrival)
             })
             .collect();
         w
@@ -89,14 +118,24 @@ impl ArrivalWatermarks {
     /// The sequence number of the data file at `path` (`i64::MAX` when unknown: only
     /// ingest time then orders its records).
     pub fn sequence_of(&self, path: &str) -> i64 {
-        self.files.get(path).map_or(i64::MAX, |f| f.0)
+        self.files.get(path).map_or(i64::MAX, |f| f.sequence)
     }
 
     /// The lowest watermark a record of the data file at `path` arrived at: the one its
     /// first record (by ingest time) arrived at, since the watermark never goes back.
     /// `i64::MIN` when the file's lowest ingest time is unknown.
     pub fn first_of(&self, path: &str) -> i64 {
-        self.files.get(path).map_or(i64::MIN, |f| f.1)
+        self.files.get(path).map_or(i64::MIN, |f| f.first_watermark)
+    }
+
+    /// The one watermark every record of the data file at `path` arrived at, when its
+    /// statistics prove there is one: its first and last arrivals came at the same
+    /// watermark (no other file arrived in between: a file the gateway committed), and
+    /// it holds no record without an arrival time or a value of the columns vouched for
+    /// ([`ArrivedFile::null_free`]). Its records can then be judged without reading their
+    /// arrival times.
+    pub fn uniform_of(&self, path: &str) -> Option<i64> {
+        self.files.get(path).and_then(|f| f.uniform)
     }
 
     /// When the data file at `path` arrived: the (ingest time, sequence number) of its
@@ -104,9 +143,12 @@ impl ArrivalWatermarks {
     /// which order records as [`ArrivalWatermarks::at`] does. `None` for a file without
     /// statistics.
     pub fn arrival_of(&self, path: &str) -> Option<(Option<ArrivalKey>, ArrivalKey)> {
-        self.files
-            .get(path)
-            .map(|&(seq, _, first, last)| (first.map(|a| (a, seq)), (last, seq)))
+        self.files.get(path).map(|f| {
+            (
+                f.first_ingest.map(|a| (a, f.sequence)),
+                (f.last_ingest, f.sequence),
+            )
+        })
     }
 
     /// The watermark a reader had just before a record ingested at `ingest_us` in the
@@ -207,6 +249,8 @@ impl Lake {
     /// current), from one read of its manifests: the arrival watermarks, from the upper
     /// bounds of `event_column` and `arrival_column`, and each file's span of
     /// `event_column`. A file without those statistics contributes nothing to either.
+    /// A file is null-free ([`ArrivedFile::null_free`]) when its null counts of
+    /// `arrival_column` and of each of `null_free` are known to be 0.
     pub async fn file_statistics(
         &self,
         table: LakeTable,
@@ -214,10 +258,13 @@ impl Lake {
         event_column: &str,
         arrival_column: &str,
         bound_us: i64,
+        null_free: &[&str],
     ) -> Result<(ArrivalWatermarks, FileSpans)> {
-        let (files, ids) = self
-            .live_data_files(table, snapshot_id, &[event_column, arrival_column])
-            .await?;
+        let columns: Vec<&str> = [event_column, arrival_column]
+            .into_iter()
+            .chain(null_free.iter().copied())
+            .collect();
+        let (files, ids) = self.live_data_files(table, snapshot_id, &columns).await?;
         let (event_id, arrival_id) = (ids[0], ids[1]);
         let arrivals = files
             .iter()
@@ -229,6 +276,9 @@ impl Lake {
                     last_ingest: upper.get(&arrival_id).and_then(micros)?,
                     sequence: *seq,
                     last_event: upper.get(&event_id).and_then(micros)?,
+                    null_free: ids[1..]
+                        .iter()
+                        .all(|id| f.null_value_counts().get(id) == Some(&0)),
                 })
             })
             .collect();
@@ -333,6 +383,11 @@ impl FileSpans {
             .sum()
     }
 
+    /// The lowest and highest value in the data file at `path`, when known.
+    pub fn span_of(&self, path: &str) -> Option<(i64, i64)> {
+        self.spans.get(path).copied()
+    }
+
     /// [`FileSpans::estimate`] of a planned read's tasks.
     pub fn estimate_tasks(&self, tasks: &[FileScanTask], from_us: i64, to_us: i64) -> u64 {
         self.estimate(
@@ -358,6 +413,7 @@ mod tests {
             last_ingest: a,
             sequence: s,
             last_event: t,
+            null_free: true,
         };
         let w = ArrivalWatermarks::from_files(
             vec![f("c", 30, 3, 1_000), f("a", 10, 1, 500), f("b", 20, 2, 100)],
@@ -432,6 +488,7 @@ mod tests {
                     last_ingest: a,
                     sequence: s,
                     last_event: t,
+                    null_free: i % 2 == 0,
                 }).collect(),
                 3,
             );
@@ -450,6 +507,16 @@ mod tests {
                 }
                 if i % 3 != 0 {
                     proptest::prop_assert_eq!(w.first_of(&path), w.at(first, s));
+                }
+                // A uniform watermark is the one every arrival in the file's bounds gets,
+                // and one is known whenever the bounds and null counts prove it.
+                let uniform = w.uniform_of(&path);
+                let proven = i % 3 != 0 && i % 2 == 0 && w.at(first, s) == w.at(a, s);
+                proptest::prop_assert_eq!(uniform.is_some(), proven);
+                if let Some(wm) = uniform {
+                    for ingest in first..=a {
+                        proptest::prop_assert_eq!(w.at(ingest, s), wm);
+                    }
                 }
             }
         }

@@ -810,6 +810,17 @@ impl WindowEngine {
         }
     }
 
+    /// Whether every record with a key, at event time `earliest` or later, that is judged
+    /// by watermark `wm` (its row's, or the engine's when that is higher) is taken: within
+    /// the allowed lateness of its newest window (or of the session it would start or
+    /// join, which ends after it) and within the dedup horizon. When this holds of the
+    /// earliest record of an input whose keys are never null, none of its records is late,
+    /// and a caller may leave out what it reads only to report late records.
+    pub fn on_time_from(&self, earliest: i64, wm: i64) -> bool {
+        let wm = wm.max(self.watermarks.current());
+        earliest.saturating_add(self.lateness_us.min(self.horizon_us)) > wm
+    }
+
     /// The key group `key` hashes into.
     pub fn key_group_of(&self, key: &str) -> u16 {
         (xxhash_rust::xxh3::xxh3_64(key.as_bytes()) % u64::from(self.config.key_groups)) as u16

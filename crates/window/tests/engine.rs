@@ -804,3 +804,55 @@ fn dictionary_columns_with_null_types_and_null_values_are_filtered_and_late() {
         vec![AggValue::Int(1), AggValue::Int(4), AggValue::Int(4)]
     );
 }
+
+proptest::proptest! {
+    /// `on_time_from` never vouches for an input that holds a late record: after any earlier
+    /// records (and fires, which move the engine's watermark, close windows and retire
+    /// sessions), records at or after `earliest` judged by a watermark it accepts are all
+    /// taken, whatever the window kind and lateness.
+    #[test]
+    fn on_time_from_vouches_only_for_records_that_are_taken(
+        kind in 0usize..3,
+        lateness_min in proptest::sample::select(vec![0i64, 1, 10, 120]),
+        before in proptest::collection::vec((0i64..4, 0i64..(4 * 3600)), 0..40),
+        earliest in 0i64..(5 * 3600),
+        wm in 0i64..(6 * 3600),
+        after in proptest::collection::vec((0i64..4, 0i64..3600), 1..40),
+    ) {
+        let window = [
+            "kind = \"tumbling\"\nsize = \"1m\"",
+            "kind = \"sliding\"\nsize = \"10m\"\nslide = \"1m\"",
+            "kind = \"session\"\ngap = \"5m\"",
+        ][kind];
+        let spec = spec(window, "0s", &format!("{lateness_min}m"), None);
+        let config = EngineConfig {
+            watermark_column: Some("wm".into()),
+            dedup_only_column: None,
+            ..EngineConfig::default()
+        };
+        let mut e = WindowEngine::new(Arc::clone(&spec), config).unwrap();
+        let recs: Vec<Rec> = before
+            .iter()
+            .enumerate()
+            .map(|(i, &(k, t))| rec(&format!("m{k}"), t * S, &format!("b{i}"), 1))
+            .collect();
+        for chunk in recs.chunks(7) {
+            e.process_batch(&batch_with_watermarks(chunk, &vec![None; chunk.len()]), "src", 0)
+                .unwrap();
+            e.fire(0);
+        }
+        let (earliest, wm) = (earliest * S, wm * S);
+        if e.on_time_from(earliest, wm) {
+            let recs: Vec<Rec> = after
+                .iter()
+                .enumerate()
+                .map(|(i, &(k, dt))| rec(&format!("m{k}"), earliest + dt * S, &format!("a{i}"), 1))
+                .collect();
+            let outcome = e
+                .process_batch(&batch_with_watermarks(&recs, &vec![Some(wm); recs.len()]), "src", 0)
+                .unwrap();
+            proptest::prop_assert!(outcome.late.is_empty(), "{:?}", outcome.late);
+            proptest::prop_assert_eq!(outcome.counted as usize, recs.len());
+        }
+    }
+}
