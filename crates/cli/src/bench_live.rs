@@ -323,13 +323,19 @@ async fn land_history(lake: &Lake, events: u64, events_per_sec: u64) -> Result<(
     let mut b = signalweave_model::EventBatchBuilder::with_capacity(1_000_000);
     let mut seq = 0u64;
     let identity = |seq: u64| CommitIdentity::new(format!("bench-backfill-{run}"), seq);
+    // Ingest times as a gateway's clock stamps them: forward by at least a microsecond per
+    // record, and a second after the event time or later. So each commit's records arrived
+    // after the last one's: events come out of order, and event time plus a second alone
+    // would interleave commits' arrivals, as no gateway does.
+    let mut clock = i64::MIN;
     for r in signalweave_fixtures::Generator::new(spec) {
         let (signalweave_fixtures::Record::Event(mut e)
         | signalweave_fixtures::Record::Duplicate(mut e)) = r
         else {
             continue;
         };
-        e.ingest_time_us = e.event_time_us + 1_000_000;
+        clock = clock.saturating_add(1).max(e.event_time_us + 1_000_000);
+        e.ingest_time_us = clock;
         b.push(&e);
         if b.len() >= 1_000_000 {
             lake.append(LakeTable::Events, &[b.finish()?], &identity(seq))
