@@ -1616,6 +1616,16 @@ pub(crate) fn on_table_schema(
         .map_err(|e| LakeError::arrow(format!("{} batch", table.name()), e))
 }
 
+/// `task` without the columns of `names` (those of them it projects): a read of it decodes
+/// them no more.
+pub fn project_without(task: &mut FileScanTask, names: &[String]) {
+    let ids: Vec<i32> = names
+        .iter()
+        .filter_map(|n| task.schema.field_by_name(n).map(|f| f.id))
+        .collect();
+    task.project_field_ids.retain(|id| !ids.contains(id));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

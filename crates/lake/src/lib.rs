@@ -42,7 +42,7 @@ pub use error::{LakeError, Result};
 pub use lake::{
     AppendOutcome, AppendWriter, Backlog, COMMIT_IDENTITY_TTL_MS, CommitIdentity,
     DEFAULT_TARGET_FILE_SIZE, ExpireOutcome, IncrementalPlan, Lake, ScanPlan, SnapshotInfo,
-    WrittenFiles,
+    WrittenFiles, project_without,
 };
 pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,

@@ -1516,6 +1516,7 @@ impl Running {
         let mut figures = sub.clone();
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
+        let late_only = late_only_columns(&self.spec);
         let event_time = self.spec.time.event_time_column.clone();
         let m = &self.options.metrics;
         let records_counter = m.records.get_or_create(&self.labels).clone();
@@ -1528,16 +1529,15 @@ impl Running {
             // A file whose records all arrived at one watermark, with keys, and none early
             // enough to be late by it (see `ArrivalWatermarks::uniform_of`), is read
             // without its arrival times: they serve only to find that watermark and to
-            // report late records. A sixth of the bytes a backfill decompresses.
+            // report late records. A sixth of the bytes a backfill decompresses. So is
+            // the currency, which only a late record reports.
             let uniform = arrivals.uniform_of(&task.data_file_path).filter(|&wm| {
                 self.spans
                     .span_of(&task.data_file_path)
                     .is_some_and(|(lowest, _)| engine.on_time_from(lowest, wm))
             });
-            if uniform.is_some()
-                && let Some(arrival) = task.schema.field_by_name(ARRIVAL_COLUMN).map(|f| f.id)
-            {
-                task.project_field_ids.retain(|id| *id != arrival);
+            if uniform.is_some() {
+                signalweave_lake::project_without(&mut task, &late_only);
             }
             self.throttle.admit_bytes(bytes).await;
             figures.bytes_read += bytes;
@@ -1758,6 +1758,24 @@ pub fn source_columns(spec: &JobSpec) -> Vec<String> {
     columns
 }
 
+/// The columns of [`source_columns`] that serve only the arrival watermark and late
+/// records: the arrival time and the currency, unless `spec` reads them itself. A file
+/// whose records all arrived at one watermark, none late by it, is read without them (see
+/// `ArrivalWatermarks::uniform_of`).
+pub fn late_only_columns(spec: &JobSpec) -> Vec<String> {
+    let engine = std::iter::once(&spec.time.event_time_column)
+        .chain(&spec.key.columns)
+        .chain(&spec.dedup.identity)
+        .chain(&spec.time.input_column)
+        .chain(spec.aggregates.iter().filter_map(|a| a.column.as_ref()))
+        .collect::<Vec<_>>();
+    [ARRIVAL_COLUMN, "currency"]
+        .into_iter()
+        .filter(|c| !engine.iter().any(|e| e.as_str() == *c))
+        .map(String::from)
+        .collect()
+}
+
 /// `batch` with the live watermark at each record's arrival ([`ROW_WATERMARK`]).
 fn with_arrival_watermark(
     batch: &RecordBatch,
@@ -1927,6 +1945,28 @@ mod tests {
             e.to_string().contains("1 events lack their arrival time"),
             "{e}"
         );
+    }
+
+    /// The arrival time and the currency are left unread only where the job itself does
+    /// not read them.
+    #[test]
+    fn late_only_columns_are_those_the_job_does_not_read() {
+        let text = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../jobs/market_aggregates.toml"),
+        )
+        .unwrap();
+        let spec = JobSpec::from_toml(&text).unwrap();
+        assert_eq!(late_only_columns(&spec), vec![ARRIVAL_COLUMN, "currency"]);
+        let by_currency = JobSpec::from_toml(&text.replace(
+            r#"columns = ["market_id"]"#,
+            r#"columns = ["market_id", "currency"]"#,
+        ))
+        .unwrap();
+        assert_eq!(by_currency.key.columns, ["market_id", "currency"]);
+        assert_eq!(late_only_columns(&by_currency), vec![ARRIVAL_COLUMN]);
+        let columns = source_columns(&by_currency);
+        assert!(columns.iter().any(|c| c == "currency"), "{columns:?}");
     }
 
     #[test]
