@@ -1748,14 +1748,20 @@ pub fn source_columns(spec: &JobSpec) -> Vec<String> {
     .into_iter()
     .map(String::from)
     .collect();
-    columns.push(spec.time.event_time_column.clone());
-    columns.extend(spec.key.columns.iter().cloned());
-    columns.extend(spec.dedup.identity.iter().cloned());
-    columns.extend(spec.time.input_column.iter().cloned());
-    columns.extend(spec.aggregates.iter().filter_map(|a| a.column.clone()));
+    columns.extend(engine_columns(spec).cloned());
     columns.sort();
     columns.dedup();
     columns
+}
+
+/// The landing-table columns the engine reads for `spec`: event time, key, dedup identity,
+/// input and aggregate inputs.
+fn engine_columns(spec: &JobSpec) -> impl Iterator<Item = &String> {
+    std::iter::once(&spec.time.event_time_column)
+        .chain(&spec.key.columns)
+        .chain(&spec.dedup.identity)
+        .chain(&spec.time.input_column)
+        .chain(spec.aggregates.iter().filter_map(|a| a.column.as_ref()))
 }
 
 /// The columns of [`source_columns`] that serve only the arrival watermark and late
@@ -1763,15 +1769,9 @@ pub fn source_columns(spec: &JobSpec) -> Vec<String> {
 /// whose records all arrived at one watermark, none late by it, is read without them (see
 /// `ArrivalWatermarks::uniform_of`).
 pub fn late_only_columns(spec: &JobSpec) -> Vec<String> {
-    let engine = std::iter::once(&spec.time.event_time_column)
-        .chain(&spec.key.columns)
-        .chain(&spec.dedup.identity)
-        .chain(&spec.time.input_column)
-        .chain(spec.aggregates.iter().filter_map(|a| a.column.as_ref()))
-        .collect::<Vec<_>>();
     [ARRIVAL_COLUMN, "currency"]
         .into_iter()
-        .filter(|c| !engine.iter().any(|e| e.as_str() == *c))
+        .filter(|c| !engine_columns(spec).any(|e| e == c))
         .map(String::from)
         .collect()
 }
