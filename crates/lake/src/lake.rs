@@ -1673,7 +1673,7 @@ mod tests {
     /// dictionary; and the file reads back as it was written.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn distinct_strings_fall_back_to_delta_lengths_and_few_stay_dictionaries() {
-        use arrow::array::{Array, AsArray};
+        use arrow::array::AsArray;
         use parquet::file::reader::{FileReader, SerializedFileReader};
 
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1732,24 +1732,15 @@ mod tests {
             .read_all(LakeTable::Events, plan.tasks)
             .await
             .expect("read");
-        let mut read: Vec<String> = batches
-            .iter()
-            .flat_map(|b| {
-                let ids = b
-                    .column_by_name("event_id")
-                    .expect("event_id")
-                    .as_string::<i32>()
-                    .clone();
-                (0..ids.len())
-                    .map(move |i| ids.value(i).to_string())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let ids = data
-            .column_by_name("event_id")
-            .expect("event_id")
-            .as_string::<i32>();
-        let mut written: Vec<String> = (0..ids.len()).map(|i| ids.value(i).to_string()).collect();
+        let ids = |b: &RecordBatch| -> Vec<Option<String>> {
+            let ids = b.column_by_name("event_id").expect("event_id");
+            ids.as_string::<i32>()
+                .iter()
+                .map(|v| v.map(str::to_string))
+                .collect()
+        };
+        let mut read: Vec<Option<String>> = batches.iter().flat_map(ids).collect();
+        let mut written = ids(&data);
         read.sort_unstable();
         written.sort_unstable();
         assert_eq!(read, written);
