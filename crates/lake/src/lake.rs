@@ -1668,6 +1668,13 @@ mod tests {
         b.finish().expect("a batch of generated events")
     }
 
+    /// An embedded lake in `dir`, its tables created.
+    async fn initialised(dir: &std::path::Path) -> Lake {
+        let lake = Lake::open(LakeConfig::embedded(dir)).await.expect("open");
+        lake.init().await.expect("init");
+        lake
+    }
+
     /// A column of distinct strings falls back from its dictionary to
     /// `DELTA_LENGTH_BYTE_ARRAY`, never to `PLAIN`; a column of a few values stays a
     /// dictionary; and the file reads back as it was written.
@@ -1677,10 +1684,7 @@ mod tests {
         use parquet::file::reader::{FileReader, SerializedFileReader};
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let lake = Lake::open(LakeConfig::embedded(dir.path()))
-            .await
-            .expect("open");
-        lake.init().await.expect("init");
+        let lake = initialised(dir.path()).await;
         // More distinct event ids than a dictionary page holds (1 MiB).
         let data = events(120_000);
         lake.append(
@@ -1753,10 +1757,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_racer_with_the_same_identity_conflicts_instead_of_landing_twice() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let lake = Lake::open(LakeConfig::embedded(dir.path()))
-            .await
-            .expect("open");
-        lake.init().await.expect("init");
+        let lake = initialised(dir.path()).await;
         let identity = CommitIdentity::new("racer", 1);
         let data = events(50);
         let stale = lake.table(LakeTable::Events).await.expect("table");
