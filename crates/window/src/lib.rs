@@ -19,6 +19,7 @@
 mod dedup;
 mod engine;
 mod error;
+mod identity;
 mod keys;
 mod output;
 mod panes;
