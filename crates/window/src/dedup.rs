@@ -12,15 +12,17 @@
 //! A probe reads the index, and reads the log only where a tag matches: a copy, or one
 //! probe in four billion. So the memory read at random is 16 bytes per identity, where a
 //! table of whole slots read 64: a million identities' index is 16 MiB, within the
-//! third-level cache, where the slots were 64 MiB in memory. The engine checks a batch's
-//! identities in a loop of their own ([`DedupSet::touch`]), in which the CPU keeps many
-//! of these reads in flight.
+//! third-level cache, where the slots were 64 MiB in memory. The engine prefetches the
+//! entry of the identity some records ahead of the one it observes
+//! ([`DedupSet::prefetch`]), so the CPU keeps many of these reads in flight.
 //!
 //! The index lives in an anonymous memory map of its own ([`Index`]), which the kernel
 //! hands out zeroed (an empty index), and asked to back with huge pages: read at random,
 //! in 4 KiB pages nearly every probe also missed the TLB, and each growth took a page
 //! fault per 4 KiB and a pass writing every empty entry before its first use. The log is
 //! an ordinary allocation: it is written at its end, and read at random only for copies.
+
+use crate::prefetch::prefetch;
 
 /// An identity held: its digest, expiry and key group.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -171,7 +173,7 @@ impl DedupSet {
 
     /// Makes room for `more` identities as inserts would, by doubling: after it, `more`
     /// observes move no entry, so where each identity is probed is known beforehand (see
-    /// [`DedupSet::touch`]).
+    /// [`DedupSet::prefetch`]).
     ///
     /// `floor` is a watermark no record to come is judged below, so an identity that
     /// expires by then counts as absent to every one of them (`i64::MIN`: none known).
@@ -199,19 +201,21 @@ impl DedupSet {
         self.rebuild(n);
     }
 
-    /// Reads the first entry each of `ids` is probed at, so that the observes that follow
-    /// find them in cache. A short loop with no branch on what it reads: the CPU keeps as
-    /// many of these misses in flight as it can, where a probe's own loop, branching on
-    /// each entry it reads, overlaps only a few. Returns a value of what was read, for the
-    /// caller to hand to [`std::hint::black_box`].
+    /// Asks the CPU to fetch the entry `id` is first probed at (see [`prefetch`]), for an
+    /// observe some records later. Make room for those records first, so that no observe
+    /// between moves the entry.
     #[inline]
-    pub fn touch(&self, ids: impl Iterator<Item = u128>) -> u64 {
-        let index = self.index.get();
-        let n = index.len();
-        if n == 0 {
-            return 0;
+    pub fn prefetch(&self, id: u128) {
+        if let Some(entry) = self.first_probed(id) {
+            prefetch(entry);
         }
-        ids.fold(0u64, |seen, id| seen ^ index[home(id, n)])
+    }
+
+    /// The entry a probe for `id` reads first (none in an empty set).
+    #[inline]
+    fn first_probed(&self, id: u128) -> Option<&u64> {
+        let index = self.index.get();
+        index.get(home(id, index.len()))
     }
 
     /// Records `id` as seen until `expires`, unless it is held and still live at `wm`
@@ -364,11 +368,7 @@ mod tests {
     #[test]
     fn after_making_room_the_batch_moves_no_slot() {
         let mut set = DedupSet::default();
-        assert_eq!(
-            set.touch([1u128, 2].into_iter()),
-            0,
-            "an empty set reads nothing"
-        );
+        set.prefetch(1);
         for i in 1..=3_000u128 {
             set.make_room(1, i64::MIN);
             set.insert(i, 0, 0);
@@ -379,18 +379,25 @@ mod tests {
         let ids: Vec<u128> = (10_001..15_001u128)
             .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
             .collect();
-        std::hint::black_box(set.touch(ids.iter().copied()));
+        for id in &ids {
+            set.prefetch(*id);
+        }
         for id in &ids {
             assert!(!set.observe(*id, 10, 0, 0));
         }
         assert_eq!(set.heap_bytes(), bytes, "no growth within the batch");
         assert_eq!(set.len(), 8_000);
         assert!(ids.iter().all(|id| set.observe(*id, 10, 0, 0)), "all held");
-        // What touch reads is what the index holds: the home entry of a held identity
-        // that is alone at home is its own.
+        // What a prefetch asks for is where the probe starts: the home entry of a held
+        // identity alone at home is its own.
         let mut lone = DedupSet::default();
+        assert_eq!(
+            lone.first_probed(crowd(2)),
+            None,
+            "an empty set has no entry"
+        );
         lone.insert(crowd(2), 1, 0);
-        assert_eq!(lone.touch([crowd(2)].into_iter()), entry(crowd(2), 0));
+        assert_eq!(lone.first_probed(crowd(2)), Some(&entry(crowd(2), 0)));
     }
 
     #[test]

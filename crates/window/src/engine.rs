@@ -387,9 +387,10 @@ struct Routed {
 }
 
 pub(crate) const NO_SLAB: u32 = u32::MAX;
-/// Records whose dedup index entries are read ahead at a time: their cache lines (16 KiB)
-/// stay in the core's first-level cache (48 KiB here) until observed.
-const DEDUP_CHUNK: usize = 256;
+/// How many records ahead of the one observed the dedup loop prefetches an identity's
+/// index entry: far enough that it arrives from memory (about 100 ns) in time, near enough
+/// that it is still cached when observed.
+const DEDUP_AHEAD: usize = 16;
 /// Keys whose state is read ahead at a time: a chunk of records' keys and window lists in
 /// `process_batch`, and a fire's keys (see [`touch_windows`]).
 const READ_AHEAD: usize = 256;
@@ -403,7 +404,7 @@ const DEDUP_ONLY: u32 = u32::MAX - 1;
 
 /// Reads the newest window of each of `keys`, so that the walk that follows finds their
 /// lists in cache; with `records`, the first word of its pane's record too (the pane an
-/// early emission of an open window merges). As [`DedupSet::touch`]: a short loop with no
+/// early emission of an open window merges). A short loop with no
 /// branch on what it reads, in which the CPU keeps many keys' cache misses in flight at
 /// once, where the walk, branching on each window, waited for each. Returns a value of
 /// what was read, for the caller to hand to [`std::hint::black_box`].
@@ -1178,44 +1179,39 @@ impl WindowEngine {
         // Dedup, in record order. An identity held past its horizon (not yet swept)
         // counts as absent, so classification never depends on when the sweep ran.
         // The set makes room for the batch first, so no observe moves an index entry and
-        // each identity's first probe is known: a chunk's entries are read in a loop of
-        // their own (see `DedupSet::touch`), then observed from cache.
+        // each identity's first probe is known: the loop prefetches the entry of the
+        // record `DEDUP_AHEAD` on (see `DedupSet::prefetch`), which is in cache when
+        // that record is observed.
         let candidates = routed.len();
         self.dedup
             .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
         let mut kept = 0;
         let mut duplicates = 0;
-        let mut from = 0;
-        while from < candidates {
-            let to = (from + DEDUP_CHUNK).min(candidates);
-            std::hint::black_box(
-                self.dedup
-                    .touch(routed[from..to].iter().filter_map(|r| r.identity)),
-            );
-            for i in from..to {
-                let r = routed[i];
-                let dedup_only = r.key == DEDUP_ONLY;
-                let duplicate = r.identity.is_some_and(|id| {
-                    let t = cols.time.value(r.row as usize);
-                    let group = if dedup_only {
-                        r.offset as u16
-                    } else {
-                        self.key_group[r.key as usize]
-                    };
-                    self.dedup
-                        .observe(id, t.saturating_add(horizon), group, r.wm)
-                });
-                if dedup_only {
-                    continue;
-                }
-                if duplicate {
-                    duplicates += 1;
-                } else {
-                    routed[kept] = r;
-                    kept += 1;
-                }
+        for i in 0..candidates {
+            if let Some(ahead) = routed.get(i + DEDUP_AHEAD).and_then(|r| r.identity) {
+                self.dedup.prefetch(ahead);
             }
-            from = to;
+            let r = routed[i];
+            let dedup_only = r.key == DEDUP_ONLY;
+            let duplicate = r.identity.is_some_and(|id| {
+                let t = cols.time.value(r.row as usize);
+                let group = if dedup_only {
+                    r.offset as u16
+                } else {
+                    self.key_group[r.key as usize]
+                };
+                self.dedup
+                    .observe(id, t.saturating_add(horizon), group, r.wm)
+            });
+            if dedup_only {
+                continue;
+            }
+            if duplicate {
+                duplicates += 1;
+            } else {
+                routed[kept] = r;
+                kept += 1;
+            }
         }
         routed.truncate(kept);
 

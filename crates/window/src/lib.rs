@@ -23,6 +23,7 @@ mod identity;
 mod keys;
 mod output;
 mod panes;
+mod prefetch;
 mod spec;
 mod state;
 mod strs;
