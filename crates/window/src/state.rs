@@ -380,12 +380,9 @@ impl WindowEngine {
         }
         let fresh = self.keys.len() == 0 && self.watermarks.current() == i64::MIN;
         // Identities of two digests never meet in one set: an engine holding none takes the
-        // state's digest (even a state holding none, so every engine restored from parts
-        // of one checkpoint digests alike, and their checkpoints merge later); one
-        // holding some takes only a state of its digest or one holding none.
+        // state's digest; one holding some takes only a state of its digest.
         let holds_ids = !state.dedup_ids.0.is_empty();
-        let adopt = self.dedup.len() == 0;
-        if holds_ids && !adopt && digest != self.digest {
+        if holds_ids && self.dedup.len() > 0 && digest != self.digest {
             return Err(bad(format!(
                 "cannot merge a state of {digest:?} identity digests into an engine holding {:?} ones: merge parts of one checkpoint",
                 self.digest
@@ -631,7 +628,7 @@ impl WindowEngine {
         for row in &state.pending {
             self.pending.push_row(row);
         }
-        if adopt {
+        if holds_ids {
             self.digest = digest;
         }
         if fresh {
@@ -821,21 +818,6 @@ mod tests {
         )
         .unwrap();
         assert_eq!(restored.digest, IdentityDigest::Chained);
-        // A part of a format-2 checkpoint that holds no identity is laid out too: the
-        // engines restored from its parts then digest alike, and their checkpoints merge
-        // later (a part restored as chained would refuse to meet them once both hold some).
-        let spec = Arc::clone(&engine.spec);
-        let mut empty = WindowEngine::new(Arc::clone(&spec), engine.config.clone()).unwrap();
-        empty.digest = IdentityDigest::Laid;
-        let part = as_format_2(&empty.snapshot().unwrap());
-        let mut one =
-            WindowEngine::restore(Arc::clone(&spec), engine.config.clone(), &part).unwrap();
-        assert_eq!(one.digest, IdentityDigest::Laid);
-        one.process_batch(&three_events(0..1), "p", 0).unwrap();
-        assert_eq!(
-            one.snapshot().unwrap().last(),
-            Some(&IdentityDigest::Laid.code())
-        );
     }
 
     /// Parts whose identities are digests of two kinds are refused, as is a digest byte
