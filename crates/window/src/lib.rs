@@ -19,7 +19,6 @@
 mod dedup;
 mod engine;
 mod error;
-mod identity;
 mod keys;
 mod output;
 mod panes;

@@ -2,10 +2,8 @@
 //! versioned bytes; and the observable state size.
 //!
 //! Format: the magic `SWWE`, a little-endian `u32` format version, then the
-//! [postcard](https://docs.rs/postcard) encoding of [`StateV2`] (flat columns), then (from
-//! format 3) one byte: the digest its dedup identities are (see [`crate::identity`]; a
-//! state of format 2 holds laid-out digests). A reader refuses other magics, versions
-//! other than 2 and 3, and a state written for another job, job version or key-group
+//! [postcard](https://docs.rs/postcard) encoding of [`StateV2`] (flat columns). A reader refuses other
+//! magics, newer versions, and a state written for another job, job version or key-group
 //! count.
 
 use std::cmp::Reverse;
@@ -20,17 +18,13 @@ use crate::engine::{
     WindowList, WindowMeta, pane_window_bounds,
 };
 use crate::error::{Result, WindowError};
-use crate::identity::IdentityDigest;
 use crate::output::OutputRow;
 use crate::spec::JobSpec;
 use crate::watermark::Watermarks;
 
 const MAGIC: &[u8; 4] = b"SWWE";
 /// Current state format version.
-pub const STATE_FORMAT_VERSION: u32 = 3;
-/// The oldest format a reader takes: [`StateV2`] without the digest byte, whose
-/// identities are laid-out digests.
-const OLDEST_FORMAT_VERSION: u32 = 2;
+pub const STATE_FORMAT_VERSION: u32 = 2;
 
 /// Version 2 of the serialized state: flat columns, the big ones as raw little-endian
 /// bytes (no allocation per key or pane, no per-value encoding), so snapshot and restore
@@ -321,10 +315,8 @@ impl WindowEngine {
         };
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
-        let mut out = postcard::to_extend(&state, out)
-            .map_err(|e| WindowError::new(ErrorKind::Internal, format!("serialize state: {e}")))?;
-        out.push(self.digest.code());
-        Ok(out)
+        postcard::to_extend(&state, out)
+            .map_err(|e| WindowError::new(ErrorKind::Internal, format!("serialize state: {e}")))
     }
 
     /// A new engine holding the state in `bytes` (a full or key-group snapshot).
@@ -344,28 +336,13 @@ impl WindowEngine {
             return Err(bad("not a SignalWeave window-state snapshot".into()));
         }
         let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
-        if !(OLDEST_FORMAT_VERSION..=STATE_FORMAT_VERSION).contains(&version) {
+        if version != STATE_FORMAT_VERSION {
             return Err(bad(format!(
-                "state format {version} is not readable by this build (reads {OLDEST_FORMAT_VERSION} to {STATE_FORMAT_VERSION})"
+                "state format {version} is not readable by this build (reads {STATE_FORMAT_VERSION})"
             )));
         }
-        let (state, rest): (StateV2, &[u8]) = postcard::take_from_bytes(&bytes[8..])
+        let state: StateV2 = postcard::from_bytes(&bytes[8..])
             .map_err(|e| bad(format!("corrupt window state: {e}")))?;
-        let digest = match (version, rest) {
-            (OLDEST_FORMAT_VERSION, []) => IdentityDigest::Laid,
-            (STATE_FORMAT_VERSION, &[code]) => IdentityDigest::of_code(code).ok_or_else(|| {
-                bad(format!(
-                    "corrupt window state: unknown identity digest {code}"
-                ))
-            })?,
-            _ => {
-                return Err(bad(format!(
-                    "corrupt window state: {} bytes after the state where format {version} has {}",
-                    rest.len(),
-                    u32::from(version > OLDEST_FORMAT_VERSION)
-                )));
-            }
-        };
         if state.job != self.spec.name || state.job_version != self.spec.version {
             return Err(bad(format!(
                 "state of {} v{} cannot restore {} v{}",
@@ -379,15 +356,6 @@ impl WindowEngine {
             )));
         }
         let fresh = self.keys.len() == 0 && self.watermarks.current() == i64::MIN;
-        // Identities of two digests never meet in one set: an engine holding none takes the
-        // state's digest; one holding some takes only a state of its digest.
-        let holds_ids = !state.dedup_ids.0.is_empty();
-        if holds_ids && self.dedup.len() > 0 && digest != self.digest {
-            return Err(bad(format!(
-                "cannot merge a state of {digest:?} identity digests into an engine holding {:?} ones: merge parts of one checkpoint",
-                self.digest
-            )));
-        }
         if !fresh && state.watermarks.current() != self.watermarks.current() {
             // A part behind the others would reopen windows the others already closed, and
             // emit versions they already used: parts must come from one checkpoint.
@@ -628,9 +596,6 @@ impl WindowEngine {
         for row in &state.pending {
             self.pending.push_row(row);
         }
-        if holds_ids {
-            self.digest = digest;
-        }
         if fresh {
             self.watermarks = state.watermarks;
             self.dedup_swept_at = state.dedup_swept_at;
@@ -704,7 +669,6 @@ impl WindowEngine {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use arrow::array::RecordBatch;
     use signalweave_model::{
         Event, EventBatchBuilder, EventId, ProducerId, SchemaVersion, TenantId,
     };
@@ -712,11 +676,6 @@ mod tests {
     use super::*;
 
     fn sliding_engine_with_two_keys() -> WindowEngine {
-        sliding_engine_digesting(IdentityDigest::default())
-    }
-
-    /// The engine of [`sliding_engine_with_two_keys`], its identities digested by `digest`.
-    fn sliding_engine_digesting(digest: IdentityDigest) -> WindowEngine {
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../jobs/customer_features.toml"
@@ -724,17 +683,8 @@ mod tests {
         .unwrap();
         let spec = Arc::new(JobSpec::from_toml(&text).unwrap());
         let mut engine = WindowEngine::new(spec, EngineConfig::default()).unwrap();
-        engine.digest = digest;
-        engine.process_batch(&three_events(0..3), "p", 0).unwrap();
-        engine
-    }
-
-    /// The events `e{i}` for `i` in `ids` (of the three `sliding_engine_with_two_keys`
-    /// holds), each as that engine was given it.
-    fn three_events(ids: std::ops::Range<usize>) -> RecordBatch {
         let mut b = EventBatchBuilder::with_capacity(4);
-        let all = [("c1", 3), ("c2", 5), ("c1", 7)];
-        for (i, (customer, minute)) in all.iter().enumerate().filter(|(i, _)| ids.contains(i)) {
+        for (i, (customer, minute)) in [("c1", 3), ("c2", 5), ("c1", 7)].iter().enumerate() {
             b.push(&Event {
                 event_id: EventId::new(format!("e{i}")),
                 event_type: "order_placed".into(),
@@ -754,7 +704,8 @@ mod tests {
                 attributes: None,
             });
         }
-        b.finish().unwrap()
+        engine.process_batch(&b.finish().unwrap(), "p", 0).unwrap();
+        engine
     }
 
     fn decode(bytes: &[u8]) -> StateV2 {
@@ -777,87 +728,7 @@ mod tests {
     fn encode(state: &StateV2) -> Vec<u8> {
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
-        let mut out = postcard::to_extend(state, out).unwrap();
-        out.push(IdentityDigest::default().code());
-        out
-    }
-
-    /// `bytes` (a snapshot of an engine holding laid-out digests) as a build of format 2
-    /// wrote it: that version, and no digest byte.
-    fn as_format_2(bytes: &[u8]) -> Vec<u8> {
-        assert_eq!(bytes.last(), Some(&IdentityDigest::Laid.code()));
-        let mut old = bytes[..bytes.len() - 1].to_vec();
-        old[4..8].copy_from_slice(&2u32.to_le_bytes());
-        old
-    }
-
-    /// A checkpoint of format 2 holds laid-out digests: restored, the engine digests the
-    /// same way, so a copy of a record counted before the checkpoint is still a duplicate
-    /// (with the chained digest it would count twice). Its next snapshot says so.
-    #[test]
-    fn a_format_2_state_keeps_its_digest_and_finds_copies_after_restore() {
-        let engine = sliding_engine_digesting(IdentityDigest::Laid);
-        let old = as_format_2(&engine.snapshot().unwrap());
-        let mut restored =
-            WindowEngine::restore(Arc::clone(&engine.spec), engine.config.clone(), &old).unwrap();
-        assert_eq!(restored.digest, IdentityDigest::Laid);
-        let copies = restored.process_batch(&three_events(0..3), "p", 0).unwrap();
-        assert_eq!((copies.duplicates, copies.counted), (3, 0));
-        let again = restored.snapshot().unwrap();
-        assert_eq!(&again[4..8], &STATE_FORMAT_VERSION.to_le_bytes());
-        assert_eq!(again.last(), Some(&IdentityDigest::Laid.code()));
-        // A new engine digests by the chain, and finds its own copies as well.
-        let mut new = sliding_engine_with_two_keys();
-        assert_eq!(new.digest, IdentityDigest::Chained);
-        let copies = new.process_batch(&three_events(0..3), "p", 0).unwrap();
-        assert_eq!((copies.duplicates, copies.counted), (3, 0));
-        let restored = WindowEngine::restore(
-            Arc::clone(&new.spec),
-            new.config.clone(),
-            &new.snapshot().unwrap(),
-        )
-        .unwrap();
-        assert_eq!(restored.digest, IdentityDigest::Chained);
-    }
-
-    /// Parts whose identities are digests of two kinds are refused, as is a digest byte
-    /// this build does not know, a format-3 state without one, or one with more.
-    #[test]
-    fn states_of_other_digests_or_bytes_are_refused_with_nothing_changed() {
-        let laid = sliding_engine_digesting(IdentityDigest::Laid)
-            .snapshot()
-            .unwrap();
-        let mut engine = sliding_engine_with_two_keys();
-        let before = engine.snapshot().unwrap();
-        let err = engine.merge_snapshot(&laid).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidInput);
-        assert!(err.to_string().contains("identity digest"), "{err}");
-        assert_eq!(engine.snapshot().unwrap(), before);
-        let spec = Arc::clone(&engine.spec);
-        let config = engine.config.clone();
-        let mut unknown = before.clone();
-        *unknown.last_mut().unwrap() = 9;
-        let mut short = before.clone();
-        short.pop();
-        let mut long = before.clone();
-        long.push(IdentityDigest::Chained.code());
-        for (bytes, says) in [
-            (unknown, "unknown identity digest 9"),
-            (short, "0 bytes after the state where format 3 has 1"),
-            (long, "2 bytes after the state where format 3 has 1"),
-        ] {
-            let err = WindowEngine::restore(Arc::clone(&spec), config.clone(), &bytes).unwrap_err();
-            assert_eq!(err.kind(), ErrorKind::InvalidInput);
-            assert!(err.to_string().contains(says), "{err}");
-        }
-        let mut old = before.clone();
-        old[4..8].copy_from_slice(&2u32.to_le_bytes());
-        let err = WindowEngine::restore(spec, config, &old).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("1 bytes after the state where format 2 has 0"),
-            "{err}"
-        );
+        postcard::to_extend(state, out).unwrap()
     }
 
     #[test]
