@@ -403,10 +403,10 @@ const DEDUP_ONLY: u32 = u32::MAX - 1;
 
 /// Reads the newest window of each of `keys`, so that the walk that follows finds their
 /// lists in cache; with `records`, the first word of its pane's record too (the pane an
-/// early emission of an open window merges). A short loop with no
-/// branch on what it reads, in which the CPU keeps many keys' cache misses in flight at
-/// once, where the walk, branching on each window, waited for each. Returns a value of
-/// what was read, for the caller to hand to [`std::hint::black_box`].
+/// early emission of an open window merges). A short loop with no branch on what it reads,
+/// in which the CPU keeps many keys' cache misses in flight at once, where the walk,
+/// branching on each window, waited for each. Returns a value of what was read, for the
+/// caller to hand to [`std::hint::black_box`].
 #[inline]
 fn touch_windows(
     key_windows: &[WindowList],

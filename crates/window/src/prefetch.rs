@@ -28,17 +28,3 @@ pub(crate) fn prefetch<T>(value: &T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = value;
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_prefetch_changes_nothing() {
-        let values: Vec<u64> = (0..1024).collect();
-        for v in values.iter().rev() {
-            prefetch(v);
-        }
-        assert_eq!(values, (0..1024).collect::<Vec<u64>>());
-    }
-}
