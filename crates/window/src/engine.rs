@@ -1172,19 +1172,29 @@ impl WindowEngine {
             }
             true
         });
-        digest_identities(&cols.identity, &mut routed, &mut self.id_buf);
         // Dedup, in record order. An identity held past its horizon (not yet swept)
         // counts as absent, so classification never depends on when the sweep ran.
         // The set makes room for the batch first, so no observe moves an index entry and
         // each identity's first probe is known: the loop prefetches the entry of the
         // record `DEDUP_AHEAD` on (see `DedupSet::prefetch`), which is in cache when
-        // that record is observed.
+        // that record is observed. The identities are digested a chunk ahead of the
+        // records observed, in the same loop, so the digests' work runs while those
+        // entries come from memory.
         let candidates = routed.len();
         self.dedup
             .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
+        let first = candidates.min(DIGEST_CHUNK);
+        digest_identities(&cols.identity, &mut routed[..first], &mut self.id_buf);
         let mut kept = 0;
         let mut duplicates = 0;
         for i in 0..candidates {
+            if i % DIGEST_CHUNK == 0 {
+                // The next chunk, which holds the records prefetched from here on.
+                let (from, to) = (i + DIGEST_CHUNK, (i + 2 * DIGEST_CHUNK).min(candidates));
+                if from < to {
+                    digest_identities(&cols.identity, &mut routed[from..to], &mut self.id_buf);
+                }
+            }
             if let Some(ahead) = routed.get(i + DEDUP_AHEAD).and_then(|r| r.identity) {
                 self.dedup.prefetch(ahead);
             }
@@ -2039,8 +2049,10 @@ fn lay_out_two(first: &[u8], last: &[u8], out: &mut [u8; INLINE_IDENTITY]) -> Op
     Some(len)
 }
 
-/// Identities [`digest_identities`] lays out before it digests them.
+/// Identities [`digest_identities`] lays out before it digests them. The dedup loop
+/// digests a chunk ahead, so this is at least [`DEDUP_AHEAD`].
 const DIGEST_CHUNK: usize = 32;
+const _: () = assert!(DIGEST_CHUNK >= DEDUP_AHEAD);
 
 /// Gives each record of `routed` its dedup identity: the digest of its row's identity
 /// columns ([`identity_hash`]), or None when one of them is null.

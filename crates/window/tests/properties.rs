@@ -140,7 +140,10 @@ fn scenario(max_delay_s: i64) -> impl Strategy<Value = Vec<Vec<Rec>>> {
         arrivals.sort_by_key(|(at, n, _)| (*at, *n));
         let recs: Vec<Rec> = arrivals.into_iter().map(|(_, _, r)| r).collect();
         let n = recs.len();
-        prop::collection::vec(1..8usize, n).prop_map(move |sizes| {
+        // Mostly small batches (many arrival interleavings), some large enough that the
+        // engine's passes over a batch work in several chunks.
+        let size = prop_oneof![4 => 1..8usize, 1 => 20..100usize];
+        prop::collection::vec(size, n).prop_map(move |sizes| {
             let mut out = Vec::new();
             let mut i = 0;
             for s in sizes {
