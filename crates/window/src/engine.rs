@@ -376,7 +376,8 @@ struct Routed {
     type_ix: Option<usize>,
     /// The watermark it is judged by.
     wm: i64,
-    /// Its dedup identity, unless an identity column is null.
+    /// Its dedup identity, unless an identity column is null. Routing leaves it None;
+    /// the dedup loop digests it a chunk ahead of observing it ([`digest_identities`]).
     identity: Option<u128>,
     /// The slab slot of its pane, when found by the fast path (else [`NO_SLAB`]), and its
     /// event time's offset in the pane (for a record judged for dedup only, its key
