@@ -654,8 +654,8 @@ pub struct WindowEngine {
     pub(crate) watermarks: Watermarks,
     pub(crate) next_early_at: Option<i64>,
     key_buf: String,
-    /// Scratch for identity bytes and for an emission's accumulator.
-    id_buf: Vec<u8>,
+    /// Scratch for digesting identities, and for an emission's accumulator.
+    digests: DigestScratch,
     acc_buf: Vec<i64>,
     /// Scratch for the key hashes of a chunk of records.
     hash_buf: Vec<u64>,
@@ -755,7 +755,7 @@ impl WindowEngine {
             dedup_floor: i64::MIN,
             next_early_at: None,
             key_buf: String::new(),
-            id_buf: Vec::new(),
+            digests: DigestScratch::default(),
             hash_buf: Vec::new(),
             acc_buf: Vec::new(),
             timer_buf: Vec::new(),
@@ -1185,7 +1185,7 @@ impl WindowEngine {
         self.dedup
             .make_room(candidates, self.dedup_floor.max(self.watermarks.current()));
         let first = candidates.min(DIGEST_CHUNK);
-        digest_identities(&cols.identity, &mut routed[..first], &mut self.id_buf);
+        digest_identities(&cols.identity, &mut routed[..first], &mut self.digests);
         let mut kept = 0;
         let mut duplicates = 0;
         for i in 0..candidates {
@@ -1193,7 +1193,7 @@ impl WindowEngine {
                 // The next chunk, which holds the records prefetched from here on.
                 let (from, to) = (i + DIGEST_CHUNK, (i + 2 * DIGEST_CHUNK).min(candidates));
                 if from < to {
-                    digest_identities(&cols.identity, &mut routed[from..to], &mut self.id_buf);
+                    digest_identities(&cols.identity, &mut routed[from..to], &mut self.digests);
                 }
             }
             if let Some(ahead) = routed.get(i + DEDUP_AHEAD).and_then(|r| r.identity) {
@@ -2055,6 +2055,35 @@ fn lay_out_two(first: &[u8], last: &[u8], out: &mut [u8; INLINE_IDENTITY]) -> Op
 const DIGEST_CHUNK: usize = 32;
 const _: () = assert!(DIGEST_CHUNK >= DEDUP_AHEAD);
 
+/// What [`digest_identities`] works in, kept by the engine: it is called for each chunk of
+/// a batch, and a fresh chunk's worth of stack cleared 3 KiB each time.
+#[derive(Debug)]
+struct DigestScratch {
+    /// A chunk's identities, laid out.
+    laid: Box<[[u8; INLINE_IDENTITY]; DIGEST_CHUNK]>,
+    /// Per record of the chunk: its laid-out length, or [`NULL_IDENTITY`] or
+    /// [`LONG_IDENTITY`].
+    lens: [usize; DIGEST_CHUNK],
+    /// An identity too long to lay out on the stack (see [`identity_hash`]).
+    long: Vec<u8>,
+}
+
+impl Default for DigestScratch {
+    fn default() -> Self {
+        Self {
+            laid: Box::new([[0; INLINE_IDENTITY]; DIGEST_CHUNK]),
+            lens: [NULL_IDENTITY; DIGEST_CHUNK],
+            long: Vec::new(),
+        }
+    }
+}
+
+/// A record of the chunk with a null identity column.
+const NULL_IDENTITY: usize = usize::MAX;
+/// A record of the chunk whose identity does not fit [`INLINE_IDENTITY`] (a laid-out
+/// identity is never empty: it starts with a length).
+const LONG_IDENTITY: usize = 0;
+
 /// Gives each record of `routed` its dedup identity: the digest of its row's identity
 /// columns ([`identity_hash`]), or None when one of them is null.
 ///
@@ -2063,34 +2092,30 @@ const _: () = assert!(DIGEST_CHUNK >= DEDUP_AHEAD);
 /// length and the first value, say) cannot be forwarded from them while they are in
 /// flight: it waits until they are written to the cache. Digested as soon as laid out, the
 /// identities of a backfill waited so, at one load, for four-tenths of the digest's time.
-fn digest_identities(columns: &[Strs<'_>], routed: &mut [Routed], buf: &mut Vec<u8>) {
+fn digest_identities(columns: &[Strs<'_>], routed: &mut [Routed], scratch: &mut DigestScratch) {
     let present = |row: usize| columns.iter().all(|c| !c.is_null(row));
+    let DigestScratch { laid, lens, long } = scratch;
     let [first, last] = columns else {
         for r in routed {
             let row = r.row as usize;
-            r.identity = present(row).then(|| identity_hash(columns, row, buf));
+            r.identity = present(row).then(|| identity_hash(columns, row, long));
         }
         return;
     };
-    // Per record of the chunk: its laid-out length, or one of these.
-    const NULL: usize = usize::MAX;
-    const LONG: usize = 0;
-    let mut laid = [[0u8; INLINE_IDENTITY]; DIGEST_CHUNK];
-    let mut lens = [NULL; DIGEST_CHUNK];
     for chunk in routed.chunks_mut(DIGEST_CHUNK) {
-        for ((r, out), len) in chunk.iter().zip(&mut laid).zip(&mut lens) {
+        for ((r, out), len) in chunk.iter().zip(laid.iter_mut()).zip(lens.iter_mut()) {
             let row = r.row as usize;
             *len = if present(row) {
                 let (a, b) = (first.value(row).as_bytes(), last.value(row).as_bytes());
-                lay_out_two(a, b, out).unwrap_or(LONG)
+                lay_out_two(a, b, out).unwrap_or(LONG_IDENTITY)
             } else {
-                NULL
+                NULL_IDENTITY
             };
         }
-        for ((r, out), &len) in chunk.iter_mut().zip(&laid).zip(&lens) {
+        for ((r, out), &len) in chunk.iter_mut().zip(laid.iter()).zip(lens.iter()) {
             r.identity = match len {
-                NULL => None,
-                LONG => Some(identity_hash(columns, r.row as usize, buf)),
+                NULL_IDENTITY => None,
+                LONG_IDENTITY => Some(identity_hash(columns, r.row as usize, long)),
                 len => Some(xxhash_rust::xxh3::xxh3_128(&out[..len])),
             };
         }
@@ -2202,14 +2227,14 @@ mod tests {
                     })
                     .collect()
             };
-            let mut buf = Vec::new();
+            let (mut scratch, mut buf) = (DigestScratch::default(), Vec::new());
             for columns in [
                 vec![Strs::Plain(&a), Strs::Plain(&b)],
                 vec![Strs::Plain(&b)],
                 vec![Strs::Plain(&a), Strs::Plain(&b), Strs::Plain(&c)],
             ] {
                 let mut digested = routed.clone();
-                digest_identities(&columns, &mut digested, &mut buf);
+                digest_identities(&columns, &mut digested, &mut scratch);
                 for r in &digested {
                     let row = r.row as usize;
                     let alone = columns
