@@ -101,7 +101,8 @@ fn load_then_sql_counts_the_fixture_on_s3() {
 }
 
 /// `bench backfill` on a small lake: the backfill, DataFusion's two queries and the
-/// backfill's reading alone all run, and the reading reads every landed event once.
+/// backfill's reading alone (with and without the dedup identity's columns) all run, and
+/// the reading reads every landed event once.
 #[test]
 fn bench_backfill_runs_on_a_small_lake_and_reads_every_event_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -125,6 +126,14 @@ fn bench_backfill_runs_on_a_small_lake_and_reads_every_event_alone() {
         .find(|l| l.starts_with("the backfill's reading alone"))
         .unwrap_or_else(|| panic!("no reading-alone line in\n{out}"));
     assert!(read.contains("(30000 rows)"), "{read}");
+    let identity = out
+        .lines()
+        .find(|l| l.starts_with("of which the dedup identity's columns (tenant, event_id): "))
+        .unwrap_or_else(|| panic!("no identity line in\n{out}"));
+    assert!(
+        identity.contains("the same reading without them: "),
+        "{identity}"
+    );
 }
 
 #[test]
