@@ -324,6 +324,28 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
     assert_eq!(metric(), paused_at, "a paused backfill reads nothing");
     ok(backfill_cmd(&lake, "resume", "steered"));
     wait_until("resumed", Duration::from_secs(10), || metric() > paused_at);
+    // The time held while paused (and by the records budget) shows as throttled, ahead
+    // of the engine's: it is added once the wait ends, before the next records count.
+    let text = get(&format!("http://127.0.0.1:{metrics_port}/metrics")).unwrap_or_default();
+    let stage = |name: &str| {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("signalweave_backfill_stage_seconds_total{")
+                    && l.contains("namespace=\"steered\"")
+                    && l.contains(&format!("stage=\"{name}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let (throttled, engine, read) = (stage("throttled"), stage("engine"), stage("read"));
+    assert!(
+        throttled >= 1.5,
+        "held for 2 s, throttled {throttled} s:\n{text}"
+    );
+    assert!(
+        engine > 0.0 && read > 0.0 && throttled > engine,
+        "read {read} s, engine {engine} s, throttled {throttled} s"
+    );
     ok(backfill_cmd(&lake, "abort", "steered"));
     let status_code = {
         let mut child = runner.child;

@@ -134,6 +134,24 @@ fn bench_backfill_runs_on_a_small_lake_and_reads_every_event_alone() {
         identity.contains("the same reading without them: "),
         "{identity}"
     );
+    let stages = out
+        .lines()
+        .find(|l| l.starts_with("the backfill's time by stage"))
+        .unwrap_or_else(|| panic!("no stage line in\n{out}"));
+    let secs = |stage: &str| -> f64 {
+        let at = stages
+            .find(&format!("{stage} "))
+            .unwrap_or_else(|| panic!("{stages}"));
+        stages[at + stage.len() + 1..]
+            .split(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{stages}"))
+    };
+    assert!(
+        secs("read") > 0.0 && secs("engine") > 0.0 && secs("commit") > 0.0,
+        "{stages}"
+    );
 }
 
 #[test]

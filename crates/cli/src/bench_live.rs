@@ -398,6 +398,8 @@ pub async fn backfill(
     let (_, rss_before) = proc_usage().unwrap_or_default();
     let mut bf_secs = Vec::new();
     let mut records = 0;
+    // Where the last run's time went, by stage, summed over its workers.
+    let mut stages = Vec::new();
     for _ in 0..runs.max(1) {
         let namespace = format!("bench_{}", crate::bench::uuid_like());
         let mut request = backfill_request(&spec, &namespace, range, slice);
@@ -408,9 +410,21 @@ pub async fn backfill(
             ..RunOptions::default()
         };
         let progress = Arc::clone(&options.progress);
+        let metrics = Arc::clone(&options.metrics);
         let t = Instant::now();
         let record = backfill::run(&lake, Arc::clone(&spec), &namespace, options).await?;
         bf_secs.push(t.elapsed().as_secs_f64());
+        stages = ["read", "engine", "throttled", "commit"]
+            .into_iter()
+            .map(|stage| {
+                let labels = vec![
+                    ("job".to_string(), spec.name.clone()),
+                    ("namespace".to_string(), namespace.clone()),
+                    ("stage".to_string(), stage.to_string()),
+                ];
+                (stage, metrics.stage_seconds.get_or_create(&labels).get())
+            })
+            .collect();
         anyhow::ensure!(record.state == "completed", "backfill {}", record.state);
         records = progress.lock().map(|p| p.records).unwrap_or(0);
     }
@@ -554,6 +568,14 @@ pub async fn backfill(
         } else {
             ""
         }
+    );
+    println!(
+        "the backfill's time by stage, summed over its {parallelism} workers (last run): {}",
+        stages
+            .iter()
+            .map(|(stage, secs)| format!("{stage} {secs:.2} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let unkeyed = crate::bench::median(unkeyed_secs);
     println!(

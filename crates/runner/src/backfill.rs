@@ -66,13 +66,14 @@
 //! one crosses, then borrows back gradually.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arrow::array::{Array, BooleanArray, RecordBatch};
 use futures::TryStreamExt;
 use futures::future::BoxFuture;
+use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 use signalweave_lake::{CommitIdentity, Lake, LakeTable};
 use signalweave_model::ErrorKind;
@@ -967,6 +968,62 @@ struct SubRangeOutput {
     rows: Emissions,
     late: Vec<LateEvent>,
     figures: SubRange,
+    stages: Stages,
+}
+
+/// Where a sub-range's time goes, besides its commit: reading and decoding its files,
+/// the engine, and waiting for budget tokens (or while paused). The rest of its time is
+/// the backfill's own work on the batches (the arrival watermark, the key-group filter).
+/// Each stage's time is added to its metric as it is spent, so a long sub-range shows
+/// where it is going before it ends.
+#[derive(Debug, Clone)]
+struct Stages {
+    /// Time per [`Stage`], in its order.
+    spent: [Duration; 3],
+    /// The metric of each [`Stage`].
+    counters: [Counter<f64, AtomicU64>; 3],
+}
+
+/// A stage of a sub-range's processing (see [`Stages`]).
+#[derive(Debug, Clone, Copy)]
+enum Stage {
+    Read = 0,
+    Engine = 1,
+    Throttled = 2,
+}
+
+/// Each stage's name, as its metric's `stage` label: [`Stage`]'s, then the commit's.
+const STAGE_NAMES: [&str; 4] = ["read", "engine", "throttled", "commit"];
+
+impl Stages {
+    fn new(metrics: &BackfillMetrics, labels: &Labels) -> Self {
+        Self {
+            spent: [Duration::ZERO; 3],
+            counters: [0, 1, 2].map(|i| stage_counter(metrics, labels, STAGE_NAMES[i])),
+        }
+    }
+
+    /// Adds the time since `from` to `stage`.
+    fn add(&mut self, stage: Stage, from: Instant) {
+        let took = from.elapsed();
+        self.spent[stage as usize] += took;
+        self.counters[stage as usize].inc_by(took.as_secs_f64());
+    }
+
+    fn spent(&self, stage: Stage) -> Duration {
+        self.spent[stage as usize]
+    }
+}
+
+/// The metric of `stage` for a backfill labelled `labels`.
+fn stage_counter(
+    metrics: &BackfillMetrics,
+    labels: &Labels,
+    stage: &str,
+) -> Counter<f64, AtomicU64> {
+    let mut labels = labels.clone();
+    labels.push(("stage".into(), stage.into()));
+    metrics.stage_seconds.get_or_create(&labels).clone()
 }
 
 /// Runs (or resumes) the backfill of `spec` in `namespace` until it completes, is
@@ -1359,7 +1416,10 @@ impl Running {
         };
         out.figures.seconds = started.elapsed().as_secs_f64();
         drop(processing);
+        let waited = Instant::now();
         self.throttle.admit_rows(out.rows.len() as u64).await;
+        out.stages.add(Stage::Throttled, waited);
+        let committing = Instant::now();
         let out_snapshot = self.commit(output, &sub, &out).await?;
         if self.options.fault == Some(BackfillFault { seq: sub.seq }) {
             eprintln!(
@@ -1374,7 +1434,10 @@ impl Running {
                 .hold_snapshot(output, &self.record.holder(), s)
                 .await?;
         }
+        let commit = committing.elapsed();
         let m = &self.options.metrics;
+        stage_counter(m, &self.labels, STAGE_NAMES[3]).inc_by(commit.as_secs_f64());
+        let stages = &out.stages;
         m.subranges_done.get_or_create(&self.labels).inc();
         m.rows_written
             .get_or_create(&self.labels)
@@ -1383,7 +1446,7 @@ impl Running {
             p.done += 1;
             p.rows_written += out.rows.len() as u64;
         }
-        tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, "backfill sub-range done");
+        tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, read_s = stages.spent(Stage::Read).as_secs_f64(), engine_s = stages.spent(Stage::Engine).as_secs_f64(), throttled_s = stages.spent(Stage::Throttled).as_secs_f64(), commit_s = commit.as_secs_f64(), "backfill sub-range done");
         Ok(true)
     }
 
@@ -1514,6 +1577,7 @@ impl Running {
             self.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
         engine.reserve(expected.min(16_000_000) as usize);
         let mut figures = sub.clone();
+        let mut stages = Stages::new(&self.options.metrics, &self.labels);
         let mut late_events = Vec::new();
         let key_columns = self.spec.key.columns.clone();
         let late_only = late_only_columns(&self.spec);
@@ -1539,17 +1603,28 @@ impl Running {
             if uniform.is_some() {
                 signalweave_lake::project_without(&mut task, &late_only);
             }
+            let waited = Instant::now();
             self.throttle.admit_bytes(bytes).await;
+            stages.add(Stage::Throttled, waited);
             figures.bytes_read += bytes;
             bytes_counter.inc_by(bytes);
+            let opened = Instant::now();
             let mut stream = self
                 .lake
                 .read_pages_in_range(LakeTable::Events, task, planned.0, planned.1)
                 .await?;
-            while let Some(batch) = stream.try_next().await.map_err(|e| {
-                RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
-            })? {
-                if !self.obey().await? {
+            stages.add(Stage::Read, opened);
+            loop {
+                let reading = Instant::now();
+                let next = stream.try_next().await.map_err(|e| {
+                    RunnerError::new(ErrorKind::Unavailable, format!("read events: {e}"))
+                })?;
+                stages.add(Stage::Read, reading);
+                let Some(batch) = next else { break };
+                let waited = Instant::now();
+                let run = self.obey().await?;
+                stages.add(Stage::Throttled, waited);
+                if !run {
                     return Ok(None);
                 }
                 let (batch, n) = if exact {
@@ -1575,7 +1650,10 @@ impl Running {
                     // read around them spend the bytes budget. A batch of copies alone
                     // takes one token, so it waits as the others do while the backfill is
                     // held at a floor of 0.
-                    if !self.throttle.admit_records(n.max(1)).await {
+                    let waited = Instant::now();
+                    let admitted = self.throttle.admit_records(n.max(1)).await;
+                    stages.add(Stage::Throttled, waited);
+                    if !admitted {
                         // Stopped: an abort, or a lost lease (an error).
                         self.obey().await?;
                         return Ok(None);
@@ -1583,7 +1661,10 @@ impl Running {
                     (with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?, n)
                 } else {
                     let n = batch.num_rows() as u64;
-                    if !self.throttle.admit_records(n).await {
+                    let waited = Instant::now();
+                    let admitted = self.throttle.admit_records(n).await;
+                    stages.add(Stage::Throttled, waited);
+                    if !admitted {
                         // Stopped: an abort, or a lost lease (an error).
                         self.obey().await?;
                         return Ok(None);
@@ -1613,7 +1694,9 @@ impl Running {
                     )?,
                     None => with_arrival_watermark(&batch, arrivals, sequence)?,
                 };
+                let processing = Instant::now();
                 let outcome = engine.process_batch(&batch, "events", BACKFILL_PROC_TIME)?;
+                stages.add(Stage::Engine, processing);
                 figures.duplicates += outcome.duplicates;
                 if outcome.late.is_empty() {
                     continue;
@@ -1652,7 +1735,9 @@ impl Running {
         // The input's watermark: a window it has not passed may still gain records (in the
         // live job, later); it is as partial as one crossing the range's end.
         let input_watermark = self.arrivals.at(i64::MAX, i64::MAX);
+        let finishing = Instant::now();
         let mut rows = engine.finish(BACKFILL_PROC_TIME);
+        stages.add(Stage::Engine, finishing);
         engine.reset();
         if let Ok(mut engines) = self.engines.lock() {
             engines.push(engine);
@@ -1688,6 +1773,7 @@ impl Running {
             rows,
             late: late_events,
             figures,
+            stages,
         }))
     }
 

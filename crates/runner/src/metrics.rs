@@ -236,6 +236,9 @@ pub struct BackfillMetrics {
     pub rows_written: Family<Labels, Counter>,
     /// Sub-ranges completed.
     pub subranges_done: Family<Labels, Counter>,
+    /// Seconds of sub-ranges' time by stage (label `stage`: `read`, `engine`,
+    /// `throttled`, `commit`), summed over the sub-ranges that ran at once.
+    pub stage_seconds: Family<Labels, Counter<f64, AtomicU64>>,
     /// Records per second in force (-1: unlimited; 0: paused).
     pub rate_limit: Family<Labels, Gauge>,
     /// Controller decisions (label `action`: reclaim, borrow, full).
@@ -263,6 +266,7 @@ impl BackfillMetrics {
             bytes_read: Family::default(),
             rows_written: Family::default(),
             subranges_done: Family::default(),
+            stage_seconds: Family::default(),
             rate_limit: Family::default(),
             decisions: Family::default(),
             guard_seconds: Family::default(),
@@ -287,6 +291,12 @@ impl BackfillMetrics {
             "subranges_done",
             "Sub-ranges completed",
             m.subranges_done.clone(),
+        );
+        registry.register(
+            "stage_seconds",
+            "Sub-ranges' seconds by stage: reading and decoding files, the engine, waiting for \
+             budget tokens or while paused, committing (summed over sub-ranges run at once)",
+            m.stage_seconds.clone(),
         );
         registry.register(
             "rate_limit_records_per_second",
