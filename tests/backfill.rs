@@ -201,6 +201,21 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     let subs = s["subranges"].as_array().unwrap();
     assert_eq!(subs.len(), 6, "3 h in 30 min slices");
     assert!(subs.iter().all(|s| s["state"] == "done"));
+    // Each done sub-range records where its time went; its processing time holds the
+    // reading, the engine and the waits, and the commit came after.
+    for sub in subs {
+        let t = &sub["stages"];
+        let secs = |k: &str| t[k].as_f64().unwrap_or_else(|| panic!("{k}: {sub}"));
+        assert!(
+            secs("read") > 0.0 && secs("engine") > 0.0 && secs("commit") > 0.0,
+            "{sub}"
+        );
+        let seconds = sub["seconds"].as_f64().unwrap();
+        assert!(
+            secs("read") + secs("engine") <= seconds + 0.002,
+            "stages beyond the sub-range's {seconds} s: {sub}"
+        );
+    }
 
     // Equal to the live job's outputs for the range, window by window.
     let c = compare(&lake, "reference");

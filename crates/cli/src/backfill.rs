@@ -770,6 +770,7 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
                 "dups",
                 "seconds",
                 "rate",
+                "read / engine / throttled / commit s",
             ],
             subs.iter()
                 .map(|s| {
@@ -790,6 +791,15 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
                         } else {
                             "-".into()
                         },
+                        s.stages.map_or_else(
+                            || "-".into(),
+                            |t| {
+                                format!(
+                                    "{:.2} / {:.2} / {:.2} / {:.2}",
+                                    t.read, t.engine, t.throttled, t.commit
+                                )
+                            },
+                        ),
                     ]
                 })
                 .collect(),

@@ -217,9 +217,30 @@ pub struct SubRange {
     pub duplicates: u64,
     /// Processing seconds.
     pub seconds: f64,
+    /// Where its time went, once done (none from a version that did not record it).
+    pub stages: Option<StageSeconds>,
     /// When done, ms since the epoch.
     pub finished_ms: Option<i64>,
 }
+
+/// A done sub-range's time by stage, seconds: reading and decoding its files, the engine,
+/// waiting for budget tokens or while paused, and committing its outputs and late records.
+/// Its processing `seconds` hold the first three and the backfill's own work on batches;
+/// the commit comes after them, and so does the wait for the rows budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageSeconds {
+    /// Reading and decoding files.
+    pub read: f64,
+    /// The engine.
+    pub engine: f64,
+    /// Waiting for budget tokens, or while paused.
+    pub throttled: f64,
+    /// Committing outputs and late records.
+    pub commit: f64,
+}
+
+/// The columns of `sw_backfill_ranges` that hold [`StageSeconds`], in ms, in its order.
+const STAGE_COLUMNS: [&str; 4] = ["read_ms", "engine_ms", "throttled_ms", "commit_ms"];
 
 /// A value bound into an update.
 enum Value {
@@ -267,6 +288,7 @@ impl BackfillStore {
              planned_records BIGINT NOT NULL, state VARCHAR(32) NOT NULL, records BIGINT NOT NULL, \
              bytes_read BIGINT NOT NULL, rows_written BIGINT NOT NULL, late BIGINT NOT NULL, \
              duplicates BIGINT NOT NULL, millis BIGINT NOT NULL, finished_ms BIGINT, \
+             read_ms BIGINT, engine_ms BIGINT, throttled_ms BIGINT, commit_ms BIGINT, \
              PRIMARY KEY (catalog_name, job, namespace, seq))",
         ] {
             sqlx::query(ddl)
@@ -274,25 +296,35 @@ impl BackfillStore {
                 .await
                 .map_err(|e| RunnerError::sql("create backfill tables", e))?;
         }
-        // Added after the table's first release: a database from before gets it (null:
-        // off). Another process may add it meanwhile, so the check is made again.
+        // Added after the tables' first release: a database from before gets them (null:
+        // off, and not recorded).
+        store.add_column("sw_backfills", "exact_dedup").await?;
+        for column in STAGE_COLUMNS {
+            store.add_column("sw_backfill_ranges", column).await?;
+        }
+        Ok(store)
+    }
+
+    /// Adds the nullable BIGINT `column` to `table` unless it has it. Another process may
+    /// add it meanwhile, so a failed add is checked again.
+    async fn add_column(&self, table: &str, column: &str) -> Result<()> {
         let has_column = || async {
-            sqlx::query("SELECT exact_dedup FROM sw_backfills WHERE 1 = 0")
-                .execute(store.lake.control_pool())
+            sqlx::query(&format!("SELECT {column} FROM {table} WHERE 1 = 0"))
+                .execute(self.lake.control_pool())
                 .await
                 .is_ok()
         };
         if !has_column().await {
-            let added = sqlx::query("ALTER TABLE sw_backfills ADD COLUMN exact_dedup BIGINT")
-                .execute(store.lake.control_pool())
+            let added = sqlx::query(&format!("ALTER TABLE {table} ADD COLUMN {column} BIGINT"))
+                .execute(self.lake.control_pool())
                 .await;
             if let Err(e) = added
                 && !has_column().await
             {
-                return Err(RunnerError::sql("add sw_backfills.exact_dedup", e));
+                return Err(RunnerError::sql(&format!("add {table}.{column}"), e));
             }
         }
-        Ok(store)
+        Ok(())
     }
 
     fn q(&self, sql: &str) -> String {
@@ -379,7 +411,8 @@ impl BackfillStore {
     pub async fn subranges(&self, job: &str, namespace: &str) -> Result<Vec<SubRange>> {
         let sql = self.q(
             "SELECT seq, from_us, to_us, kg_lo, kg_hi, planned_records, state, records, bytes_read, \
-             rows_written, late, duplicates, millis, finished_ms FROM sw_backfill_ranges \
+             rows_written, late, duplicates, millis, finished_ms, read_ms, engine_ms, \
+             throttled_ms, commit_ms FROM sw_backfill_ranges \
              WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY seq",
         );
         let rows = sqlx::query(&sql)
@@ -408,6 +441,24 @@ impl BackfillStore {
                     late: u(r, "late")?,
                     duplicates: u(r, "duplicates")?,
                     seconds: u(r, "millis")? as f64 / 1000.0,
+                    stages: {
+                        let mut ms = [None; 4];
+                        for (v, c) in ms.iter_mut().zip(STAGE_COLUMNS) {
+                            *v = r.try_get::<Option<i64>, _>(c)?;
+                        }
+                        let s = |v: i64| v as f64 / 1000.0;
+                        match ms {
+                            [Some(read), Some(engine), Some(throttled), Some(commit)] => {
+                                Some(StageSeconds {
+                                    read: s(read),
+                                    engine: s(engine),
+                                    throttled: s(throttled),
+                                    commit: s(commit),
+                                })
+                            }
+                            _ => None,
+                        }
+                    },
                     finished_ms: r.try_get("finished_ms")?,
                 })
             })
@@ -630,9 +681,12 @@ impl BackfillStore {
     async fn subrange_done(&self, job: &str, namespace: &str, s: &SubRange) -> Result<()> {
         let sql = self.q(
             "UPDATE sw_backfill_ranges SET state = 'done', records = $5, bytes_read = $6, \
-             rows_written = $7, late = $8, duplicates = $9, millis = $10, finished_ms = $11 \
+             rows_written = $7, late = $8, duplicates = $9, millis = $10, finished_ms = $11, \
+             read_ms = $12, engine_ms = $13, throttled_ms = $14, commit_ms = $15 \
              WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND seq = $4",
         );
+        let ms = |v: Option<f64>| v.map(|v| (v * 1000.0).round() as i64);
+        let stages = s.stages;
         sqlx::query(&sql)
             .bind(self.catalog())
             .bind(job)
@@ -645,6 +699,10 @@ impl BackfillStore {
             .bind(s.duplicates as i64)
             .bind((s.seconds * 1000.0) as i64)
             .bind(now_ms())
+            .bind(ms(stages.map(|t| t.read)))
+            .bind(ms(stages.map(|t| t.engine)))
+            .bind(ms(stages.map(|t| t.throttled)))
+            .bind(ms(stages.map(|t| t.commit)))
             .execute(self.lake.control_pool())
             .await
             .map_err(|e| RunnerError::sql("record a sub-range", e))?;
@@ -821,6 +879,7 @@ pub async fn create(
                 late: 0,
                 duplicates: 0,
                 seconds: 0.0,
+                stages: None,
                 finished_ms: None,
             });
         }
@@ -1421,6 +1480,14 @@ impl Running {
         out.stages.add(Stage::Throttled, waited);
         let committing = Instant::now();
         let out_snapshot = self.commit(output, &sub, &out).await?;
+        let commit = committing.elapsed();
+        let stages = &out.stages;
+        out.figures.stages = Some(StageSeconds {
+            read: stages.spent(Stage::Read).as_secs_f64(),
+            engine: stages.spent(Stage::Engine).as_secs_f64(),
+            throttled: stages.spent(Stage::Throttled).as_secs_f64(),
+            commit: commit.as_secs_f64(),
+        });
         if self.options.fault == Some(BackfillFault { seq: sub.seq }) {
             eprintln!(
                 "fault drill: stopping after the commit of sub-range {}",
@@ -1434,7 +1501,6 @@ impl Running {
                 .hold_snapshot(output, &self.record.holder(), s)
                 .await?;
         }
-        let commit = committing.elapsed();
         let m = &self.options.metrics;
         stage_counter(m, &self.labels, STAGE_NAMES[3]).inc_by(commit.as_secs_f64());
         let stages = &out.stages;
@@ -2053,6 +2119,63 @@ mod tests {
         assert_eq!(late_only_columns(&by_currency), vec![ARRIVAL_COLUMN]);
         let columns = source_columns(&by_currency);
         assert!(columns.iter().any(|c| c == "currency"), "{columns:?}");
+    }
+
+    /// A catalog database from before the stage columns (and `exact_dedup`) gets them,
+    /// reads its sub-ranges without a split, and records one for a sub-range done after.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_catalog_from_before_gets_the_stage_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let lake = Lake::open(signalweave_lake::LakeConfig::embedded(dir.path()))
+            .await
+            .unwrap();
+        lake.init().await.unwrap();
+        // The tables as their first release made them, with a pending sub-range.
+        for ddl in [
+            "CREATE TABLE sw_backfills (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, job_version BIGINT NOT NULL, \
+             from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, lead_in_us BIGINT NOT NULL, \
+             snapshot_id BIGINT, state VARCHAR(32) NOT NULL, desired VARCHAR(32) NOT NULL, \
+             budgets VARCHAR(1000) NOT NULL, created_by VARCHAR(255) NOT NULL, \
+             created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL, runner VARCHAR(255), \
+             heartbeat_ms BIGINT, preemptions BIGINT NOT NULL, last_decision VARCHAR(1000), \
+             rate_limit BIGINT, last_error VARCHAR(2000), \
+             PRIMARY KEY (catalog_name, job, namespace))",
+            "CREATE TABLE sw_backfill_ranges (catalog_name VARCHAR(255) NOT NULL, \
+             job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, seq BIGINT NOT NULL, \
+             from_us BIGINT NOT NULL, to_us BIGINT NOT NULL, kg_lo BIGINT NOT NULL, kg_hi BIGINT NOT NULL, \
+             planned_records BIGINT NOT NULL, state VARCHAR(32) NOT NULL, records BIGINT NOT NULL, \
+             bytes_read BIGINT NOT NULL, rows_written BIGINT NOT NULL, late BIGINT NOT NULL, \
+             duplicates BIGINT NOT NULL, millis BIGINT NOT NULL, finished_ms BIGINT, \
+             PRIMARY KEY (catalog_name, job, namespace, seq))",
+            "INSERT INTO sw_backfill_ranges VALUES ('signalweave', 'j', 'n', 0, 0, 60, 0, 256, \
+             10, 'pending', 0, 0, 0, 0, 0, 0, NULL)",
+        ] {
+            sqlx::query(ddl).execute(lake.control_pool()).await.unwrap();
+        }
+        let store = BackfillStore::open(lake.clone()).await.unwrap();
+        let before = store.subranges("j", "n").await.unwrap();
+        assert_eq!(before.len(), 1);
+        assert_eq!(before[0].stages, None, "not recorded then");
+        let stages = StageSeconds {
+            read: 1.25,
+            engine: 2.5,
+            throttled: 0.0,
+            commit: 0.125,
+        };
+        let done = SubRange {
+            state: "done".into(),
+            records: 10,
+            seconds: 4.0,
+            stages: Some(stages),
+            ..before[0].clone()
+        };
+        store.subrange_done("j", "n", &done).await.unwrap();
+        // Opening again finds the columns there.
+        let store = BackfillStore::open(lake).await.unwrap();
+        let after = store.subranges("j", "n").await.unwrap();
+        assert_eq!(after[0].stages, Some(stages));
+        assert_eq!((after[0].state.as_str(), after[0].records), ("done", 10));
     }
 
     #[test]
