@@ -206,8 +206,10 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     for sub in subs {
         let t = &sub["stages"];
         let secs = |k: &str| t[k].as_f64().unwrap_or_else(|| panic!("{k}: {sub}"));
+        let all = ["read", "engine", "throttled", "commit"];
+        assert!(all.iter().all(|k| secs(k) >= 0.0), "{sub}");
         assert!(
-            secs("read") > 0.0 && secs("engine") > 0.0 && secs("commit") > 0.0,
+            secs("read") + secs("engine") > 0.0 && secs("commit") > 0.0,
             "{sub}"
         );
         let seconds = sub["seconds"].as_f64().unwrap();
@@ -313,10 +315,25 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
     wait_until("a running backfill", Duration::from_secs(30), || {
         try_status(&lake, "steered").is_some_and(|s| s["running"] == true)
     });
+    let metrics_text =
+        || get(&format!("http://127.0.0.1:{metrics_port}/metrics")).unwrap_or_default();
+    // Seconds of one stage, as the metric shows them now.
+    let stage = |name: &str| {
+        metrics_text()
+            .lines()
+            .filter(|l| {
+                l.starts_with("signalweave_backfill_stage_seconds_total{")
+                    && l.contains("namespace=\"steered\"")
+                    && l.contains(&format!("stage=\"{name}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
     ok(backfill_cmd(&lake, "pause", "steered"));
     wait_until("paused", Duration::from_secs(5), || {
         status(&lake, "steered")["backfill"]["state"] == "paused"
     });
+    let throttled_at_pause = stage("throttled");
     let records = |lake: &Path| {
         status(lake, "steered")["subranges"]
             .as_array()
@@ -337,28 +354,19 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
     let paused_at = metric();
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(metric(), paused_at, "a paused backfill reads nothing");
+    // The pause shows as throttled time while it lasts (added every half second).
+    let held = stage("throttled") - throttled_at_pause;
+    assert!(
+        held >= 1.0,
+        "paused for 2 s, throttled grew by {held} s:\n{}",
+        metrics_text()
+    );
     ok(backfill_cmd(&lake, "resume", "steered"));
     wait_until("resumed", Duration::from_secs(10), || metric() > paused_at);
-    // The time held while paused (and by the records budget) shows as throttled, ahead
-    // of the engine's: it is added once the wait ends, before the next records count.
-    let text = get(&format!("http://127.0.0.1:{metrics_port}/metrics")).unwrap_or_default();
-    let stage = |name: &str| {
-        text.lines()
-            .filter(|l| {
-                l.starts_with("signalweave_backfill_stage_seconds_total{")
-                    && l.contains("namespace=\"steered\"")
-                    && l.contains(&format!("stage=\"{name}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    // A backfill held to 3,000 records a second waits more than it works.
     let (throttled, engine, read) = (stage("throttled"), stage("engine"), stage("read"));
     assert!(
-        throttled >= 1.5,
-        "held for 2 s, throttled {throttled} s:\n{text}"
-    );
-    assert!(
-        engine > 0.0 && read > 0.0 && throttled > engine,
+        read + engine > 0.0 && throttled > engine,
         "read {read} s, engine {engine} s, throttled {throttled} s"
     );
     ok(backfill_cmd(&lake, "abort", "steered"));

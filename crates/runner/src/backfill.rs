@@ -226,7 +226,8 @@ pub struct SubRange {
 /// A done sub-range's time by stage, seconds: reading and decoding its files, the engine,
 /// waiting for budget tokens or while paused, and committing its outputs and late records.
 /// Its processing `seconds` hold the first three and the backfill's own work on batches;
-/// the commit comes after them, and so does the wait for the rows budget.
+/// the commit comes after them, and so does the wait for the rows budget. Recording the
+/// sub-range done in the catalog database, after the commit, is in no stage.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct StageSeconds {
     /// Reading and decoding files.
@@ -1072,7 +1073,30 @@ impl Stages {
     fn spent(&self, stage: Stage) -> Duration {
         self.spent[stage as usize]
     }
+
+    /// Awaits `wait`, adding its time to `stage` every [`STAGE_TICK`] meanwhile, so a long
+    /// wait (a pause, a budget near 0) shows in the metric while it lasts.
+    async fn waiting<F: std::future::Future>(&mut self, stage: Stage, wait: F) -> F::Output {
+        let mut wait = std::pin::pin!(wait);
+        let mut from = Instant::now();
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut wait => {
+                    self.add(stage, from);
+                    return out;
+                }
+                () = tokio::time::sleep(STAGE_TICK) => {
+                    self.add(stage, from);
+                    from = Instant::now();
+                }
+            }
+        }
+    }
 }
+
+/// How often a long wait's time is added to its stage's metric (see [`Stages::waiting`]).
+const STAGE_TICK: Duration = Duration::from_millis(500);
 
 /// The metric of `stage` for a backfill labelled `labels`.
 fn stage_counter(
@@ -1475,12 +1499,17 @@ impl Running {
         };
         out.figures.seconds = started.elapsed().as_secs_f64();
         drop(processing);
-        let waited = Instant::now();
-        self.throttle.admit_rows(out.rows.len() as u64).await;
-        out.stages.add(Stage::Throttled, waited);
+        out.stages
+            .waiting(
+                Stage::Throttled,
+                self.throttle.admit_rows(out.rows.len() as u64),
+            )
+            .await;
         let committing = Instant::now();
         let out_snapshot = self.commit(output, &sub, &out).await?;
         let commit = committing.elapsed();
+        let m = &self.options.metrics;
+        stage_counter(m, &self.labels, STAGE_NAMES[3]).inc_by(commit.as_secs_f64());
         let stages = &out.stages;
         out.figures.stages = Some(StageSeconds {
             read: stages.spent(Stage::Read).as_secs_f64(),
@@ -1501,8 +1530,6 @@ impl Running {
                 .hold_snapshot(output, &self.record.holder(), s)
                 .await?;
         }
-        let m = &self.options.metrics;
-        stage_counter(m, &self.labels, STAGE_NAMES[3]).inc_by(commit.as_secs_f64());
         let stages = &out.stages;
         m.subranges_done.get_or_create(&self.labels).inc();
         m.rows_written
@@ -1669,9 +1696,9 @@ impl Running {
             if uniform.is_some() {
                 signalweave_lake::project_without(&mut task, &late_only);
             }
-            let waited = Instant::now();
-            self.throttle.admit_bytes(bytes).await;
-            stages.add(Stage::Throttled, waited);
+            stages
+                .waiting(Stage::Throttled, self.throttle.admit_bytes(bytes))
+                .await;
             figures.bytes_read += bytes;
             bytes_counter.inc_by(bytes);
             let opened = Instant::now();
@@ -1687,9 +1714,7 @@ impl Running {
                 })?;
                 stages.add(Stage::Read, reading);
                 let Some(batch) = next else { break };
-                let waited = Instant::now();
-                let run = self.obey().await?;
-                stages.add(Stage::Throttled, waited);
+                let run = stages.waiting(Stage::Throttled, self.obey()).await?;
                 if !run {
                     return Ok(None);
                 }
@@ -1716,9 +1741,9 @@ impl Running {
                     // read around them spend the bytes budget. A batch of copies alone
                     // takes one token, so it waits as the others do while the backfill is
                     // held at a floor of 0.
-                    let waited = Instant::now();
-                    let admitted = self.throttle.admit_records(n.max(1)).await;
-                    stages.add(Stage::Throttled, waited);
+                    let admitted = stages
+                        .waiting(Stage::Throttled, self.throttle.admit_records(n.max(1)))
+                        .await;
                     if !admitted {
                         // Stopped: an abort, or a lost lease (an error).
                         self.obey().await?;
@@ -1727,9 +1752,9 @@ impl Running {
                     (with_column(&batch, DEDUP_ONLY, Arc::new(dedup_only))?, n)
                 } else {
                     let n = batch.num_rows() as u64;
-                    let waited = Instant::now();
-                    let admitted = self.throttle.admit_records(n).await;
-                    stages.add(Stage::Throttled, waited);
+                    let admitted = stages
+                        .waiting(Stage::Throttled, self.throttle.admit_records(n))
+                        .await;
                     if !admitted {
                         // Stopped: an abort, or a lost lease (an error).
                         self.obey().await?;
