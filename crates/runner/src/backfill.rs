@@ -1459,7 +1459,10 @@ impl Running {
                 let permit = Arc::clone(&processing).acquire_owned().await.map_err(|e| {
                     RunnerError::new(ErrorKind::Internal, format!("processing permits: {e}"))
                 })?;
-                if !self.obey().await? {
+                // A pause before the sub-range starts is throttled time too (in no
+                // sub-range's own figures).
+                let mut between = Stages::new(&self.options.metrics, &self.labels);
+                if !between.waiting(Stage::Throttled, self.obey()).await? {
                     aborted = true;
                     break;
                 }
