@@ -398,7 +398,7 @@ pub async fn backfill(
     let (_, rss_before) = proc_usage().unwrap_or_default();
     let mut bf_secs = Vec::new();
     let mut records = 0;
-    // Where the last run's time went, by stage, summed over its workers.
+    // Where the last run's time went, by stage, summed over its sub-ranges.
     let mut stages = Vec::new();
     for _ in 0..runs.max(1) {
         let namespace = format!("bench_{}", crate::bench::uuid_like());
@@ -414,17 +414,7 @@ pub async fn backfill(
         let t = Instant::now();
         let record = backfill::run(&lake, Arc::clone(&spec), &namespace, options).await?;
         bf_secs.push(t.elapsed().as_secs_f64());
-        stages = ["read", "engine", "throttled", "commit"]
-            .into_iter()
-            .map(|stage| {
-                let labels = vec![
-                    ("job".to_string(), spec.name.clone()),
-                    ("namespace".to_string(), namespace.clone()),
-                    ("stage".to_string(), stage.to_string()),
-                ];
-                (stage, metrics.stage_seconds.get_or_create(&labels).get())
-            })
-            .collect();
+        stages = backfill::stage_totals(&metrics, &spec.name, &namespace);
         anyhow::ensure!(record.state == "completed", "backfill {}", record.state);
         records = progress.lock().map(|p| p.records).unwrap_or(0);
     }
@@ -592,8 +582,8 @@ pub async fn backfill(
 }
 
 /// Reads `columns` (those a backfill of `spec` reads, or some of them), from every landed
-/// file over `range` by pages in range, `parallelism` files at a time (each on a task of its own, as the
-/// backfill's sub-ranges are); returns the rows read. As the backfill, it leaves out the
+/// file over `range` by pages in range, `parallelism` files at a time (each on a task of
+/// its own, as the backfill's sub-ranges are); returns the rows read. As the backfill, it leaves out the
 /// arrival time of a file whose records all arrived at one watermark (the backfill also
 /// asks that none of them be late by it: none of the bench's are).
 async fn read_alone(

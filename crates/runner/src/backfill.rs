@@ -1098,6 +1098,23 @@ impl Stages {
 /// How often a long wait's time is added to its stage's metric (see [`Stages::waiting`]).
 const STAGE_TICK: Duration = Duration::from_millis(500);
 
+/// A backfill's time by stage so far, seconds, as its metrics hold it: each of
+/// [`STAGE_NAMES`] with its total over the sub-ranges.
+pub fn stage_totals(
+    metrics: &BackfillMetrics,
+    job: &str,
+    namespace: &str,
+) -> Vec<(&'static str, f64)> {
+    let labels: Labels = vec![
+        ("job".into(), job.to_string()),
+        ("namespace".into(), namespace.to_string()),
+    ];
+    STAGE_NAMES
+        .into_iter()
+        .map(|stage| (stage, stage_counter(metrics, &labels, stage).get()))
+        .collect()
+}
+
 /// The metric of `stage` for a backfill labelled `labels`.
 fn stage_counter(
     metrics: &BackfillMetrics,
@@ -1533,7 +1550,6 @@ impl Running {
                 .hold_snapshot(output, &self.record.holder(), s)
                 .await?;
         }
-        let stages = &out.stages;
         m.subranges_done.get_or_create(&self.labels).inc();
         m.rows_written
             .get_or_create(&self.labels)
