@@ -293,6 +293,82 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
 }
 
+/// A session has no greatest length: a market whose withdrawals never pause for five
+/// minutes holds one session for hours, across many of a backfill's slices. Each slice's
+/// sessions must be the live job's, not the part of them after its lead-in.
+#[test]
+fn session_backfills_equal_the_live_sessions_that_cross_their_slices() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let file = dir.path().join("history.ndjson");
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--out"])
+        .arg(&file)
+        .args(["--events", "24000", "--events-per-sec", "2"])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .arg("load")
+        .arg(&file)
+        .args(["--chunk-records", "2000"])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .args(["run", "--job", "jobs/withdrawals.toml", "--until-caught-up"])
+        .output()
+        .unwrap());
+    // The case is there: live sessions begin before a slice's lead-in (10 min) and end
+    // in that slice.
+    let long = count(
+        &lake,
+        "select count(*) from signalweave.withdrawals_current \
+         where window_end <= '2026-01-01T03:00:00Z' \
+         and cast(window_end as bigint) / 1800000000 * 1800000000 \
+             - cast(window_start as bigint) > 600000000",
+    );
+    assert!(long >= 3, "sessions crossing a slice's lead-in: {long}");
+    ok(sw(&lake)
+        .args([
+            "backfill",
+            "start",
+            "--job",
+            "withdrawals",
+            "--from",
+            FROM,
+            "--to",
+            TO,
+            "--namespace",
+            "sessions",
+            "--slice",
+            "30m",
+            "--key-group-splits",
+            "2",
+            "--quiet",
+        ])
+        .output()
+        .unwrap());
+    let out = ok(sw(&lake)
+        .args([
+            "backfill",
+            "compare",
+            "--job",
+            "withdrawals",
+            "--namespace",
+            "sessions",
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap());
+    let c: Value = serde_json::from_str(&out).unwrap();
+    assert!(c["same"].as_u64().unwrap() > 50, "{c}");
+    // Sessions cut by the range's end are partial, and counted as such only.
+    assert!(c["partial"].as_u64().unwrap() > 0, "{c}");
+    for k in ["changed", "missing", "extra"] {
+        assert_eq!(c[k], 0, "{k}: {c}");
+    }
+}
+
 #[test]
 fn pause_resume_and_abort_steer_a_running_backfill() {
     let dir = tempfile::tempdir().unwrap();

@@ -17,8 +17,10 @@
 //! before `to`; never silently truncated). So are the windows the input's watermark (the
 //! largest event time of the pinned snapshot, minus the out-of-orderness bound) has not
 //! passed: records may still come for them. It reads the events of its key groups from
-//! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions,
-//! which may have started that long before) makes the first windows complete.
+//! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions)
+//! makes the first windows complete. A session may have begun before any lead-in, so a
+//! session job reads a sub-range again from further back while one of its sessions starts
+//! within a gap of where its reading began (see `Running::process`).
 //!
 //! Records are fed file by file, in order of arrival, to a fresh engine that judges each
 //! record's lateness by the watermark the live job had when the record arrived
@@ -1563,7 +1565,71 @@ impl Running {
     }
 
     /// Reads and processes one sub-range; None when aborted meanwhile.
+    ///
+    /// A session has no greatest length, so no lead-in makes a session job's first
+    /// sessions complete: a key whose events never pause for a gap chains its session back
+    /// past any bound. A sub-range of a session job is read again from further back
+    /// (twice the reach each time) while one of its sessions starts within a gap of where
+    /// the reading started and events exist before that: such a session may have begun
+    /// earlier. It ends when every session it owns is known to start where it does, so its
+    /// sessions are those of the live job, whatever their length.
     async fn process(&self, sub: &SubRange) -> Result<Option<SubRangeOutput>> {
+        let lead_in = self.record.lead_in_us;
+        let mut read_from = sub.from_us.saturating_sub(lead_in);
+        let WindowSpec::Session { gap } = self.spec.window else {
+            return self.process_from(sub, read_from).await;
+        };
+        let gap = signalweave_window::micros(gap);
+        loop {
+            let Some(out) = self.process_from(sub, read_from).await? else {
+                return Ok(None);
+            };
+            // The earliest session that might have begun before the events read.
+            let Some(unproven) = out
+                .rows
+                .window_start()
+                .iter()
+                .copied()
+                .filter(|&start| start.saturating_sub(gap) < read_from)
+                .min()
+            else {
+                return Ok(Some(out));
+            };
+            let before = match self.record.snapshot_id {
+                None => Vec::new(),
+                Some(_) => {
+                    self.lake
+                        .plan_time_range_of(
+                            LakeTable::Events,
+                            unproven.saturating_sub(gap),
+                            read_from,
+                            self.record.snapshot_id,
+                            None,
+                        )
+                        .await?
+                        .tasks
+                }
+            };
+            if before.is_empty() {
+                return Ok(Some(out));
+            }
+            let reach = sub.from_us.saturating_sub(read_from);
+            let next = unproven
+                .saturating_sub(lead_in)
+                .min(sub.from_us.saturating_sub(reach.saturating_mul(2)));
+            tracing::info!(
+                job = %self.record.job,
+                namespace = %self.record.namespace,
+                seq = sub.seq,
+                from_us = next,
+                "a session may have begun before the events read: reading the sub-range again from further back"
+            );
+            read_from = next;
+        }
+    }
+
+    /// [`Self::process`], reading events from `read_from`.
+    async fn process_from(&self, sub: &SubRange, read_from: i64) -> Result<Option<SubRangeOutput>> {
         let recycled = self.engines.lock().ok().and_then(|mut e| e.pop());
         let mut engine = match recycled {
             Some(engine) => engine,
@@ -1578,7 +1644,6 @@ impl Running {
             )?,
         };
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
-        let read_from = sub.from_us - self.record.lead_in_us;
         let arrivals = &self.arrivals;
         let columns = source_columns(&self.spec);
         let plan = |from: i64, to: i64| {

@@ -1,7 +1,7 @@
 //! `backfill compare` and `backfill promote`: a backfill's namespace against the current
 //! outputs for its range, and making it authoritative.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::DataType;
@@ -95,6 +95,13 @@ fn strings(batch: &RecordBatch, column: &str) -> Result<arrow::array::StringArra
     arrow::compute::cast(c, &DataType::Utf8)
         .map(|a| a.as_string::<i32>().clone())
         .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("{column}: {e}")))
+}
+
+fn int64s(batch: &RecordBatch, column: &str) -> Result<arrow::array::Int64Array> {
+    batch
+        .column_by_name(column)
+        .and_then(|c| c.as_primitive_opt::<arrow::datatypes::Int64Type>().cloned())
+        .ok_or_else(|| RunnerError::new(ErrorKind::Internal, format!("comparison lacks {column}")))
 }
 
 fn value(a: &arrow::array::StringArray, row: usize) -> Option<String> {
@@ -191,16 +198,27 @@ pub async fn compare(
         differences: Vec::new(),
         truncated: false,
     };
+    // The namespace's partial windows, by key and start: a live window that starts with
+    // one is that window, counted as partial. (A session cut at the range's end ends
+    // earlier than the live session it is part of, so their identities differ.)
+    let mut partial_starts: HashSet<(String, i64)> = HashSet::new();
     for batch in &batches {
         let key = strings(batch, "sw_key")?;
-        let start = batch
-            .column_by_name("sw_start")
-            .and_then(|c| c.as_primitive_opt::<arrow::datatypes::Int64Type>().cloned())
-            .ok_or_else(|| RunnerError::new(ErrorKind::Internal, "comparison lacks sw_start"))?;
-        let end = batch
-            .column_by_name("sw_end")
-            .and_then(|c| c.as_primitive_opt::<arrow::datatypes::Int64Type>().cloned())
-            .ok_or_else(|| RunnerError::new(ErrorKind::Internal, "comparison lacks sw_end"))?;
+        let start = int64s(batch, "sw_start")?;
+        let in_namespace = strings(batch, "sw_in_namespace")?;
+        let completeness = strings(batch, "sw_completeness")?;
+        for row in 0..batch.num_rows() {
+            if in_namespace.value(row) == "true"
+                && value(&completeness, row).as_deref() == Some("partial")
+            {
+                partial_starts.insert((key.value(row).to_string(), start.value(row)));
+            }
+        }
+    }
+    for batch in &batches {
+        let key = strings(batch, "sw_key")?;
+        let start = int64s(batch, "sw_start")?;
+        let end = int64s(batch, "sw_end")?;
         let in_current = strings(batch, "sw_in_current")?;
         let in_namespace = strings(batch, "sw_in_namespace")?;
         let completeness = strings(batch, "sw_completeness")?;
@@ -215,6 +233,12 @@ pub async fn compare(
             let has_n = in_namespace.value(row) == "true";
             if has_n && value(&completeness, row).as_deref() == Some("partial") {
                 cmp.partial += 1;
+                continue;
+            }
+            if has_c
+                && !has_n
+                && partial_starts.contains(&(key.value(row).to_string(), start.value(row)))
+            {
                 continue;
             }
             let values = |side: &[arrow::array::StringArray]| {
