@@ -734,6 +734,147 @@ async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
     assert_eq!(landed(&backend.config).await.len(), 240);
 }
 
+/// A request larger than a quota bucket can ever hold is refused 413 with evidence, not
+/// 429 forever. One beyond the tenant's capacity takes no tokens: a request that fits is
+/// admitted right after. (A producer's share is known only after validation, when the
+/// tenant's tokens are taken.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_beyond_a_quotas_capacity_gets_413_and_spends_nothing() {
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.tenants[0].records_per_sec = 100;
+    config.tenants[0].producer_records_per_sec = 50;
+    let gw = start(config, &backend.config).await;
+    let batch = |n: usize, p: &str| -> Vec<Value> {
+        (0..n)
+            .map(|i| event(&format!("{p}-{i}"), "tenant-0", "p-1"))
+            .collect()
+    };
+    let too_large = |a: &Answer, bucket: &str| {
+        assert_eq!(a.status, 413, "{}", a.body);
+        assert_eq!(a.body["error"]["reason"], "batch_too_large", "{}", a.body);
+        let detail = a.body["error"]["detail"].as_str().unwrap();
+        assert!(detail.contains(bucket), "{detail}");
+        assert!(!a.headers.contains_key("retry-after"));
+    };
+    too_large(
+        &post(&gw.url, T0, &batch(150, "big")).await,
+        "tenant_records",
+    );
+    // The tenant's 100 tokens are whole: 100 now, from two producers, are admitted.
+    let mut fits = batch(50, "fits");
+    fits.extend((0..50).map(|i| event(&format!("fits2-{i}"), "tenant-0", "p-2")));
+    let a = post(&gw.url, T0, &fits).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    too_large(
+        &post(&gw.url, T0, &batch(80, "many")).await,
+        "producer_records",
+    );
+    gw.stop().await;
+    let reasons = rejection_reasons(&backend.config).await;
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "batch_too_large").count(),
+        2,
+        "{reasons:?}"
+    );
+}
+
+/// A client that sends its headers and then stalls gets 408 once the body timeout
+/// passes, with evidence; it holds no request slot after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_body_gets_408_after_the_body_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.limits.body_timeout = Duration::from_secs(1);
+    let gw = start(config, &backend.config).await;
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
+                 Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n[{{\"event_"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(20), stalled.read(&mut answer))
+        .await
+        .expect("an answer to the stalled request")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    gw.stop().await;
+    let reasons = rejection_reasons(&backend.config).await;
+    assert!(reasons.iter().any(|r| r == "body_timeout"), "{reasons:?}");
+}
+
+/// SIGTERM while the store is down and a client stalls: the stop still ends. Requests
+/// waiting on a commit get 503 after the drain timeout, their events are counted as
+/// abandoned (the gateway exits 3), and connections still open a grace later are closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_ends_while_the_store_stays_down_and_a_client_stalls() {
+    use tokio::io::AsyncWriteExt;
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.commit.drain_timeout = Duration::from_secs(2);
+    // Longer than the whole stop: the stalled client is closed by the stop, not timed out.
+    config.limits.body_timeout = Duration::from_secs(120);
+    let gw = start(config, &backend.config).await;
+    let a = post(&gw.url, T0, &[event("before", "tenant-0", "p-1")]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    // The store goes away: the events table's metadata directory becomes a file, so no
+    // commit can load or write the table's metadata.
+    let meta = backend
+        .dir
+        .path()
+        .join("lake/warehouse/signalweave/events/metadata");
+    assert!(meta.is_dir(), "{}", meta.display());
+    let away = meta.with_extension("away");
+    std::fs::rename(&meta, &away).unwrap();
+    std::fs::write(&meta, b"not a directory").unwrap();
+    let url = gw.url.clone();
+    let waiting =
+        tokio::spawn(async move { post(&url, T0, &[event("during", "tenant-0", "p-1")]).await });
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
+                 Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n["
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stopping = Instant::now();
+    let report = tokio::time::timeout(Duration::from_secs(30), gw.stop())
+        .await
+        .expect("the stop ended");
+    let took = stopping.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(2 + 5 + 3),
+        "{took:?}"
+    );
+    assert_eq!(report.abandoned_events, 1, "{report:?}");
+    let w = waiting.await.unwrap();
+    assert_eq!(w.status, 503, "{}", w.body);
+    assert_eq!(w.body["error"]["reason"], "store_unavailable", "{}", w.body);
+    drop(stalled);
+    std::fs::remove_file(&meta).unwrap();
+    std::fs::rename(&away, &meta).unwrap();
+    assert_eq!(landed(&backend.config).await.len(), 1);
+}
+
 mod fuzz {
     use super::*;
     use proptest::prelude::*;

@@ -18,7 +18,7 @@ use arrow_array::RecordBatch;
 use futures::Future;
 use signalweave_lake::{AppendWriter, CommitIdentity, Lake, LakeError, LakeTable};
 use signalweave_model::{Event, EventBatchBuilder};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dedup::{DedupIndex, Seen, identity};
 use crate::metrics::Metrics;
@@ -98,6 +98,17 @@ pub struct Ack {
     pub snapshot_id: Option<i64>,
     /// Per event of the submission: true when it was a duplicate.
     pub duplicate: Vec<bool>,
+}
+
+/// Where the gateway is in its life, as its committer is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    /// Accepting requests.
+    Serving,
+    /// Stopping: no new connections; the drain deadline runs from here.
+    Draining,
+    /// The HTTP side is done: nothing more will be submitted.
+    Closed,
 }
 
 /// The commit could not be made durable (the gateway gave up while draining, or the
@@ -241,11 +252,18 @@ impl Committer {
         }
     }
 
-    /// Runs until `rx` is closed and everything admitted is committed (or the drain
-    /// deadline passed).
-    pub async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Submission>) -> CommitterReport {
+    /// Runs until `rx` is closed (or `phase` says [`Phase::Closed`]) and everything
+    /// admitted is committed, or until the drain deadline: the drain timeout after the stop
+    /// began ([`Phase::Draining`]). What is still uncommitted then is abandoned, and its
+    /// requests are answered 503, so a store that stays down cannot hold the stop.
+    pub async fn run(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<Submission>,
+        mut phase: watch::Receiver<Phase>,
+    ) -> CommitterReport {
         let mut closed = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut phase_known = false;
         let mut in_flight: Option<CommitFuture> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(100);
@@ -284,10 +302,24 @@ impl Committer {
                     Some(sub) => self.admit(sub).await,
                     None => {
                         closed = true;
-                        drain_deadline =
-                            Some(tokio::time::Instant::now() + self.options.drain_timeout);
+                        drain_deadline.get_or_insert_with(|| {
+                            tokio::time::Instant::now() + self.options.drain_timeout
+                        });
                     }
                 },
+                changed = phase.changed(), if !phase_known => {
+                    // A dropped sender means the gateway is gone: as closed.
+                    let now = if changed.is_ok() { *phase.borrow_and_update() } else { Phase::Closed };
+                    if now >= Phase::Draining {
+                        drain_deadline.get_or_insert_with(|| {
+                            tokio::time::Instant::now() + self.options.drain_timeout
+                        });
+                    }
+                    if now == Phase::Closed {
+                        closed = true;
+                        phase_known = true;
+                    }
+                }
                 _ = async { tokio::time::sleep_until(retry_at.expect("guarded")).await }, if retry_at.is_some() => {
                     retry_at = None;
                 }

@@ -58,6 +58,9 @@ impl GatewayConfig {
         if self.commit.interval.is_zero() {
             return bad("commit.interval", "must be positive");
         }
+        if self.commit.drain_timeout.is_zero() {
+            return bad("commit.drain_timeout", "must be positive");
+        }
         if self.commit.max_bytes == 0 {
             return bad("commit.max_bytes", "must be positive");
         }
@@ -66,6 +69,9 @@ impl GatewayConfig {
                 "queue.max_bytes",
                 "must be at least limits.max_decoded_bytes (one whole request)",
             );
+        }
+        if self.limits.body_timeout.is_zero() {
+            return bad("limits.body_timeout", "must be positive");
         }
         if self.limits.max_batch_events == 0 {
             return bad("limits.max_batch_events", "must be positive");
@@ -128,6 +134,13 @@ pub struct CommitPolicy {
     /// alone referenced) after this many commits; 0 disables it.
     #[serde(default = "CommitPolicy::default_maintain_every")]
     pub maintain_every: u64,
+    /// How long a stopping gateway keeps trying to commit what it admitted. Requests still
+    /// waiting then are answered 503 and their events abandoned (the gateway exits 3).
+    #[serde(
+        default = "CommitPolicy::default_drain_timeout",
+        with = "humantime_serde"
+    )]
+    pub drain_timeout: Duration,
 }
 
 impl CommitPolicy {
@@ -152,6 +165,9 @@ impl CommitPolicy {
     fn default_maintain_every() -> u64 {
         Self::DEFAULT_MAINTAIN_EVERY
     }
+    fn default_drain_timeout() -> Duration {
+        crate::server::DEFAULT_DRAIN_TIMEOUT
+    }
 }
 
 impl Default for CommitPolicy {
@@ -161,6 +177,7 @@ impl Default for CommitPolicy {
             max_bytes: Self::DEFAULT_MAX_BYTES,
             stall_after: Self::DEFAULT_STALL_AFTER,
             maintain_every: Self::DEFAULT_MAINTAIN_EVERY,
+            drain_timeout: crate::server::DEFAULT_DRAIN_TIMEOUT,
         }
     }
 }
@@ -191,6 +208,13 @@ pub struct RequestLimits {
     /// (/healthz, /readyz, /metrics) always has capacity.
     #[serde(default = "RequestLimits::default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// How long a request's body may take to arrive once its headers have: a client that
+    /// stalls or trickles gets 408, so it can neither hold a request slot nor a shutdown.
+    #[serde(
+        default = "RequestLimits::default_body_timeout",
+        with = "humantime_serde"
+    )]
+    pub body_timeout: Duration,
 }
 
 impl RequestLimits {
@@ -206,6 +230,8 @@ impl RequestLimits {
     pub const DEFAULT_MAX_FUTURE_SKEW: Duration = Duration::from_secs(300);
     /// Default concurrent ingest requests: 512.
     pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 512;
+    /// Default body timeout: 30 seconds (8 MiB at about 280 KB/s).
+    pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
     fn default_max_body_bytes() -> usize {
         Self::DEFAULT_MAX_BODY_BYTES
@@ -225,6 +251,9 @@ impl RequestLimits {
     fn default_max_concurrent_requests() -> usize {
         Self::DEFAULT_MAX_CONCURRENT_REQUESTS
     }
+    fn default_body_timeout() -> Duration {
+        Self::DEFAULT_BODY_TIMEOUT
+    }
 }
 
 impl Default for RequestLimits {
@@ -236,6 +265,7 @@ impl Default for RequestLimits {
             max_event_bytes: Self::DEFAULT_MAX_EVENT_BYTES,
             max_future_skew: Self::DEFAULT_MAX_FUTURE_SKEW,
             max_concurrent_requests: Self::DEFAULT_MAX_CONCURRENT_REQUESTS,
+            body_timeout: Self::DEFAULT_BODY_TIMEOUT,
         }
     }
 }

@@ -38,5 +38,5 @@ pub use config::{
 pub use dedup::{DedupIndex, Seen, identity};
 pub use error::{GatewayError, Result};
 pub use metrics::Metrics;
-pub use quota::{Quotas, Throttle};
+pub use quota::{QuotaRefusal, Quotas, Throttle, TooLarge};
 pub use server::{DEFAULT_DRAIN_TIMEOUT, Gateway, MAX_EVENT_AGE_HEADER, rebuild_dedup};

@@ -13,6 +13,36 @@ struct TenantQuota {
     records: DefaultDirectRateLimiter,
     bytes: DefaultDirectRateLimiter,
     producers: DefaultKeyedRateLimiter<String>,
+    /// Each bucket's burst (one second of its rate): the most one request can take.
+    capacity: Capacity,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Capacity {
+    records: u32,
+    bytes: u32,
+    producer_records: u32,
+}
+
+/// A request that no bucket of its quota can ever admit: it asks for more tokens than the
+/// bucket holds when full.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TooLarge {
+    /// The bucket: `tenant_records`, `tenant_bytes` or `producer_records`.
+    pub bucket: &'static str,
+    /// Tokens the request asks for.
+    pub asked: u32,
+    /// The most the bucket holds.
+    pub capacity: u32,
+}
+
+/// Why a request was not admitted by the quotas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuotaRefusal {
+    /// A bucket is short now; the request fits once it refills.
+    Throttled(Throttle),
+    /// A bucket can never hold what the request asks for: retrying cannot help.
+    TooLarge(TooLarge),
 }
 
 /// Why a request was throttled, and when to come back.
@@ -52,6 +82,11 @@ impl Quotas {
                 records: RateLimiter::direct(per_second(t.records_per_sec)),
                 bytes: RateLimiter::direct(per_second(t.bytes_per_sec)),
                 producers: RateLimiter::keyed(per_second(t.producer_records_per_sec)),
+                capacity: Capacity {
+                    records: t.records_per_sec.max(1),
+                    bytes: t.bytes_per_sec.max(1),
+                    producer_records: t.producer_records_per_sec.max(1),
+                },
             })
             .collect();
         Self {
@@ -61,17 +96,47 @@ impl Quotas {
     }
 
     /// Takes `records` and `bytes` tokens from the tenant and `per_producer` records from
-    /// each producer's bucket, or says which bucket is short and for how long.
+    /// each producer's bucket, or says which bucket is short and for how long. A request
+    /// larger than a bucket's capacity takes nothing from any bucket.
     pub fn check(
         &self,
         tenant_index: usize,
         records: u32,
         bytes: u32,
         per_producer: &[(&str, u32)],
-    ) -> Result<(), Throttle> {
+    ) -> Result<(), QuotaRefusal> {
         let Some(t) = self.tenants.get(tenant_index) else {
             return Ok(());
         };
+        let most_per_producer = per_producer.iter().map(|(_, n)| *n).max().unwrap_or(0);
+        for (bucket, asked, capacity) in [
+            ("tenant_records", records, t.capacity.records),
+            ("tenant_bytes", bytes, t.capacity.bytes),
+            (
+                "producer_records",
+                most_per_producer,
+                t.capacity.producer_records,
+            ),
+        ] {
+            if asked > capacity {
+                return Err(QuotaRefusal::TooLarge(TooLarge {
+                    bucket,
+                    asked,
+                    capacity,
+                }));
+            }
+        }
+        self.take(t, records, bytes, per_producer)
+            .map_err(QuotaRefusal::Throttled)
+    }
+
+    fn take(
+        &self,
+        t: &TenantQuota,
+        records: u32,
+        bytes: u32,
+        per_producer: &[(&str, u32)],
+    ) -> Result<(), Throttle> {
         let now = self.clock.now();
         let short = |bucket: &'static str, wait: Option<Duration>| Throttle {
             bucket,

@@ -21,25 +21,30 @@ use signalweave_model::{
     ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry, ValidationLimits,
     format_rfc3339_micros,
 };
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::auth::{Authenticator, Grant};
 use crate::body::{body_format, decode, split};
 use crate::committer::{
-    Committer, CommitterOptions, CommitterReport, Pipeline, Submission, Unavailable,
+    Committer, CommitterOptions, CommitterReport, Phase, Pipeline, Submission, Unavailable,
 };
 use crate::config::GatewayConfig;
 use crate::dedup::{DedupIndex, identity};
 use crate::error::{GatewayError, Result};
 use crate::metrics::Metrics;
-use crate::quota::Quotas;
+use crate::quota::{QuotaRefusal, Quotas};
 
 /// Response header: the oldest event age the gateway still accepts, in seconds.
 pub const MAX_EVENT_AGE_HEADER: &str = "signalweave-max-event-age";
 
-/// How long a draining gateway waits for a failing store before answering 503.
+/// How long a draining gateway waits for a failing store before answering 503, unless
+/// `commit.drain_timeout` says otherwise.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long after the drain timeout a stopping gateway waits for its connections to close
+/// (their requests are answered by then) before it closes them.
+pub const HTTP_GRACE: Duration = Duration::from_secs(5);
 
 struct AppState {
     config: GatewayConfig,
@@ -57,6 +62,8 @@ struct AppState {
 pub struct Gateway {
     state: Arc<AppState>,
     committer: JoinHandle<CommitterReport>,
+    /// Tells the committer when the stop begins and when the HTTP side is done.
+    phase: Arc<watch::Sender<Phase>>,
     writer_id: String,
     dedup_loaded: usize,
 }
@@ -162,7 +169,7 @@ impl Gateway {
                 writer_id: writer_id.clone(),
                 interval: config.commit.interval,
                 max_bytes: config.commit.max_bytes,
-                drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+                drain_timeout: config.commit.drain_timeout,
                 tenants: config.tenants.len(),
                 maintain_every: config.commit.maintain_every,
             },
@@ -170,7 +177,8 @@ impl Gateway {
             Arc::clone(&metrics),
             dedup,
         );
-        let committer = tokio::spawn(committer.run(rx));
+        let (phase, phase_rx) = watch::channel(Phase::Serving);
+        let committer = tokio::spawn(committer.run(rx, phase_rx));
         let limits = ValidationLimits {
             max_event_bytes: config.limits.max_event_bytes,
             max_future_skew_us: i64::try_from(config.limits.max_future_skew.as_micros())
@@ -191,6 +199,7 @@ impl Gateway {
         Ok(Self {
             state,
             committer,
+            phase: Arc::new(phase),
             writer_id,
             dedup_loaded,
         })
@@ -220,6 +229,10 @@ impl Gateway {
     /// Serves on `listener` until `shutdown` resolves; then stops accepting, lets in-flight
     /// requests finish (their events are committed and acknowledged), commits what is
     /// left, and returns what the committer did.
+    ///
+    /// The stop is bounded. Requests still waiting on a commit the drain timeout
+    /// (`commit.drain_timeout`) after `shutdown` are answered 503 and their events abandoned (the report counts
+    /// them); connections still open [`HTTP_GRACE`] after that are closed.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
@@ -227,22 +240,42 @@ impl Gateway {
     ) -> Result<CommitterReport> {
         let router = self.router();
         let state = Arc::clone(&self.state);
-        let served = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                state.ready.store(false, Ordering::Release);
-            })
-            .await;
-        self.stop(served.err().map(|e| e.to_string())).await
+        let phase = Arc::clone(&self.phase);
+        let mut stopping = self.phase.subscribe();
+        let served = axum::serve(listener, router).with_graceful_shutdown(async move {
+            shutdown.await;
+            state.ready.store(false, Ordering::Release);
+            phase.send_replace(Phase::Draining);
+        });
+        let limit = self.state.config.commit.drain_timeout + HTTP_GRACE;
+        let served = tokio::select! {
+            served = async move { served.await } => served.err().map(|e| e.to_string()),
+            _ = async move {
+                let _ = stopping.wait_for(|p| *p >= Phase::Draining).await;
+                tokio::time::sleep(limit).await;
+            } => {
+                tracing::warn!(
+                    "connections still open {} s after the stop began: closed",
+                    limit.as_secs()
+                );
+                None
+            }
+        };
+        self.stop(served).await
     }
 
     /// Stops the committer after the HTTP side has finished: commits what is admitted.
     pub async fn stop(self, serve_error: Option<String>) -> Result<CommitterReport> {
         let Gateway {
-            state, committer, ..
+            state,
+            committer,
+            phase,
+            ..
         } = self;
         state.ready.store(false, Ordering::Release);
         drop(state);
+        // Requests of connections closed above may still hold the submission channel.
+        phase.send_replace(Phase::Closed);
         let report = committer
             .await
             .map_err(|e| GatewayError::new(ErrorKind::Internal, format!("committer: {e}")))?;
@@ -461,6 +494,38 @@ fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: 
     }
 }
 
+/// The refusal of a request the quotas of `who` did not admit: 429 when a bucket is short
+/// for now; 413, with evidence, when one can never hold what the request asks for (a
+/// retry would be refused forever).
+fn quota_refusal(
+    st: &AppState,
+    grant: &Grant,
+    body: &[u8],
+    refusal: QuotaRefusal,
+    who: &str,
+) -> Refusal {
+    match refusal {
+        QuotaRefusal::Throttled(t) => Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "quota_exceeded",
+            format!("{who}: the {} quota is spent", t.bucket),
+        )
+        .retry(t.retry_after),
+        QuotaRefusal::TooLarge(t) => {
+            let r = Rejection::new(
+                ReasonCode::BatchTooLarge,
+                format!(
+                    "{who}: the request asks {} tokens of the {} quota, which holds at most {} \
+                     (one second of its rate): send smaller requests",
+                    t.asked, t.bucket, t.capacity
+                ),
+            );
+            record_refusal(st, Some(grant), body, &r);
+            Refusal::rejection(StatusCode::PAYLOAD_TOO_LARGE, &r)
+        }
+    }
+}
+
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
@@ -546,16 +611,25 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         return Err(refusal);
     }
     let limits = &st.config.limits;
-    let raw = read_body(body, limits.max_body_bytes)
+    let raw = tokio::time::timeout(limits.body_timeout, read_body(body, limits.max_body_bytes))
         .await
+        .unwrap_or_else(|_| {
+            Err(Rejection::new(
+                ReasonCode::BodyTimeout,
+                format!(
+                    "the request body did not arrive within {} s",
+                    limits.body_timeout.as_secs_f64()
+                ),
+            ))
+        })
         .inspect_err(|r| {
             record_refusal(st, Some(&grant), b"", r);
         });
     let raw = raw.map_err(|r| {
-        let status = if r.reason == ReasonCode::BodyTooLarge {
-            StatusCode::PAYLOAD_TOO_LARGE
-        } else {
-            StatusCode::BAD_REQUEST
+        let status = match r.reason {
+            ReasonCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ReasonCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            _ => StatusCode::BAD_REQUEST,
         };
         Refusal::rejection(status, &r)
     })?;
@@ -590,13 +664,14 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     // The tenant's buckets pay for what the request carries, before any parsing work.
     let records = u32::try_from(events.len()).unwrap_or(u32::MAX);
     let bytes = u32::try_from(decoded.len()).unwrap_or(u32::MAX);
-    if let Err(t) = st.quotas.check(grant.tenant_index, records, bytes, &[]) {
-        return Err(Refusal::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "quota_exceeded",
-            format!("tenant `{}`: the {} quota is spent", grant.tenant, t.bucket),
-        )
-        .retry(t.retry_after));
+    if let Err(q) = st.quotas.check(grant.tenant_index, records, bytes, &[]) {
+        return Err(quota_refusal(
+            st,
+            &grant,
+            &decoded,
+            q,
+            &format!("tenant `{}`", grant.tenant),
+        ));
     }
 
     let now = now_us();
@@ -635,16 +710,14 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         *per_producer.entry(e.producer_id.as_str()).or_default() += 1;
     }
     let per_producer: Vec<(&str, u32)> = per_producer.into_iter().collect();
-    if let Err(t) = st.quotas.check(grant.tenant_index, 0, 0, &per_producer) {
-        return Err(Refusal::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "quota_exceeded",
-            format!(
-                "a producer of tenant `{}`: the {} quota is spent",
-                grant.tenant, t.bucket
-            ),
-        )
-        .retry(t.retry_after));
+    if let Err(q) = st.quotas.check(grant.tenant_index, 0, 0, &per_producer) {
+        return Err(quota_refusal(
+            st,
+            &grant,
+            &decoded,
+            q,
+            &format!("a producer of tenant `{}`", grant.tenant),
+        ));
     }
     let accepted_bytes: usize = positions.iter().map(|&i| events[i].len()).sum();
     if !accepted.is_empty() {

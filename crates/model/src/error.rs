@@ -124,6 +124,8 @@ pub enum ReasonCode {
     BatchTooLarge,
     /// The body is not one JSON object, a JSON array of objects, or NDJSON.
     MalformedBody,
+    /// The request body did not arrive within the gateway's body timeout.
+    BodyTimeout,
 }
 
 impl ReasonCode {
@@ -151,6 +153,7 @@ impl ReasonCode {
             ReasonCode::BodyTooLarge => "body_too_large",
             ReasonCode::BatchTooLarge => "batch_too_large",
             ReasonCode::MalformedBody => "malformed_body",
+            ReasonCode::BodyTimeout => "body_timeout",
         }
     }
 }
