@@ -293,6 +293,33 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
 }
 
+/// Bad run flags, or a metrics address in use, fail a start before anything is recorded:
+/// the namespace stays free.
+#[test]
+fn a_start_that_fails_its_checks_leaves_no_backfill_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    ok(sw(&lake).args(["lake", "init"]).output().unwrap());
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    for flags in [
+        vec!["--write-rows-per-sec", "0"],
+        vec!["--read-bytes-per-sec", "0"],
+        vec!["--parallelism", "0"],
+        vec!["--clear-ratio", "2"],
+        vec!["--guard-queue-age", "0s"],
+        vec!["--live-status", "not-a-url"],
+        vec!["--metrics-addr", taken.as_str()],
+    ] {
+        let out = start(&lake, "checked", &flags).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {out:?}");
+        assert!(
+            try_status(&lake, "checked").is_none(),
+            "{flags:?} left a backfill"
+        );
+    }
+}
+
 /// A session has no greatest length: a market whose withdrawals never pause for five
 /// minutes holds one session for hours, across many of a backfill's slices. Each slice's
 /// sessions must be the live job's, not the part of them after its lead-in.

@@ -209,6 +209,18 @@ fn bad_input_exits_classified() {
     );
     let no_table = sw(&lake, &["lake", "snapshots", "orders"]);
     assert_eq!(no_table.status.code(), Some(2));
+    // A user's SQL naming what is not there is bad input, said once.
+    assert_eq!(sw(&lake, &["lake", "init"]).status.code(), Some(0));
+    for query in [
+        "select nosuchcol from signalweave.events",
+        "select * from signalweave.nosuchtable",
+    ] {
+        let out = sw(&lake, &["sql", query]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{query}: {stderr}");
+        let said = stderr.matches("nosuch").count();
+        assert!((1..=2).contains(&said), "{query}: {stderr}");
+    }
     let bad_profile = dir.path().join("p.toml");
     std::fs::write(&bad_profile, "catalog_url = 3").unwrap();
     assert_eq!(sw(&bad_profile, &["lake", "init"]).status.code(), Some(2));

@@ -343,13 +343,11 @@ async fn run_here(
     spec: Arc<JobSpec>,
     namespace: &str,
     flags: &RunFlags,
+    metrics_listener: Option<tokio::net::TcpListener>,
 ) -> Result<ExitCode> {
     let options = run_options(flags);
     let metrics = Arc::clone(&options.metrics);
-    let server = match flags.metrics_addr {
-        Some(addr) => Some(serve_metrics(addr, Arc::clone(&metrics)).await?),
-        None => None,
-    };
+    let server = metrics_listener.map(|l| serve_metrics(l, Arc::clone(&metrics)));
     let progress = Arc::clone(&options.progress);
     let bar = (!flags.quiet).then(|| show_progress(progress));
     let result = backfill::run(lake, spec, namespace, options).await;
@@ -369,13 +367,57 @@ async fn run_here(
     })
 }
 
-async fn serve_metrics(
-    addr: SocketAddr,
+/// Checks the run flags and binds the metrics address, before anything is recorded: a
+/// start that fails here leaves no backfill behind.
+async fn prepare_run(flags: &RunFlags) -> Result<Option<tokio::net::TcpListener>> {
+    let bad = |what: String| {
+        anyhow::Error::new(signalweave_runner::RunnerError::new(
+            signalweave_model::ErrorKind::InvalidInput,
+            what,
+        ))
+    };
+    if flags.parallelism == 0 {
+        return Err(bad("--parallelism must be at least 1".into()));
+    }
+    if !(flags.clear_ratio > 0.0 && flags.clear_ratio < 1.0) {
+        return Err(bad(format!(
+            "--clear-ratio {} must be between 0 and 1 (exclusive)",
+            flags.clear_ratio
+        )));
+    }
+    for (name, d) in [
+        ("--guard-queue-age", flags.guard_queue_age),
+        ("--guard-watermark-delay", flags.guard_watermark_delay),
+        ("--guard-checkpoint-age", flags.guard_checkpoint_age),
+        ("--guard-sink-commit", flags.guard_sink_commit),
+    ] {
+        if d.is_zero() {
+            return Err(bad(format!("{name} must be positive")));
+        }
+    }
+    if let Some(url) = &flags.live_status {
+        let parsed =
+            reqwest::Url::parse(url).map_err(|e| bad(format!("--live-status `{url}`: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+            return Err(bad(format!(
+                "--live-status `{url}`: an http(s) URL of the live job's /v1/status"
+            )));
+        }
+    }
+    match flags.metrics_addr {
+        Some(addr) => Ok(Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the metrics address {addr}"))?,
+        )),
+        None => Ok(None),
+    }
+}
+
+fn serve_metrics(
+    listener: tokio::net::TcpListener,
     metrics: Arc<BackfillMetrics>,
-) -> Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics address {addr}"))?;
+) -> tokio::task::JoinHandle<()> {
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
@@ -383,9 +425,9 @@ async fn serve_metrics(
             async move { m.render() }
         }),
     );
-    Ok(tokio::spawn(async move {
+    tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
-    }))
+    })
 }
 
 fn show_progress(
@@ -442,10 +484,30 @@ fn print_record(r: &BackfillRecord) -> Result<()> {
     Ok(())
 }
 
+/// The budgets of `r` as configured, with the records rate in force while it runs (the
+/// controller's: the ceiling, the floor or a step between).
+fn budget_text(r: &BackfillRecord, running: bool) -> String {
+    let b = &r.budgets;
+    let per_sec = |x: Option<u32>| x.map_or_else(|| "unlimited".to_string(), |x| format!("{x}/s"));
+    let mut parts = vec![format!("records {}", per_sec(b.records_per_sec))];
+    if running && r.rate_limit != b.records_per_sec {
+        parts.push(format!("now {}", per_sec(r.rate_limit)));
+    }
+    parts.push(format!("floor {}/s", b.floor_records_per_sec));
+    if let Some(x) = b.read_bytes_per_sec {
+        parts.push(format!("read {x} B/s"));
+    }
+    if let Some(x) = b.write_rows_per_sec {
+        parts.push(format!("write {x} rows/s"));
+    }
+    parts.join(", ")
+}
+
 /// Runs a backfill command.
 pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
     match cmd {
         BackfillCommand::Start(a) => {
+            let metrics_listener = prepare_run(&a.run).await?;
             let live = find_spec(&a.run.jobs_dir, &a.job, None)?;
             let spec = match a.job_version {
                 Some(v) if v != live.version => find_spec(&a.run.jobs_dir, &a.job, Some(v))?,
@@ -485,9 +547,10 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                 print_record(&record)?;
                 return Ok(ExitCode::SUCCESS);
             }
-            run_here(&lake, spec, &a.namespace, &a.run).await
+            run_here(&lake, spec, &a.namespace, &a.run, metrics_listener).await
         }
         BackfillCommand::Resume(a) => {
+            let metrics_listener = prepare_run(&a.run).await?;
             // Refused (a conflict) when the backfill is finished.
             let record = backfill::steer(&lake, &a.target.job, &a.target.namespace, "run").await?;
             if backfill::has_live_runner(&record, LEASE_STALE) {
@@ -498,7 +561,7 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             let spec = find_spec(&a.run.jobs_dir, &record.job, Some(record.job_version))?;
-            run_here(&lake, spec, &record.namespace, &a.run).await
+            run_here(&lake, spec, &record.namespace, &a.run, metrics_listener).await
         }
         BackfillCommand::Pause(t) | BackfillCommand::Abort(t) => {
             let desired = if matches!(cmd, BackfillCommand::Pause(_)) {
@@ -695,8 +758,11 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
             (Some(x), Some(limit)) if limit > 0 => Some(x.min(f64::from(limit))),
             (x, _) => x,
         };
-        let eta = effective.filter(|x| *x > 0.0).map(|x| remaining as f64 / x);
         let running = backfill::has_live_runner(r, LEASE_STALE);
+        let finished = matches!(r.state.as_str(), "completed" | "aborted");
+        let eta = effective
+            .filter(|x| *x > 0.0 && !finished)
+            .map(|x| remaining as f64 / x);
         rows.push(vec![
             r.job.clone(),
             r.namespace.clone(),
@@ -710,12 +776,7 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
             format!("{done}/{}", subs.len()),
             records_done.to_string(),
             rate.map_or_else(|| "-".into(), |x| format!("{x:.0}/s")),
-            format!(
-                "{} (floor {})",
-                r.rate_limit
-                    .map_or_else(|| "unlimited".to_string(), |x| format!("{x}/s")),
-                r.budgets.floor_records_per_sec
-            ),
+            budget_text(r, running),
             eta.map_or_else(|| "-".into(), |s| format!("{s:.0} s")),
             r.preemptions.to_string(),
             r.last_decision.clone().unwrap_or_default(),

@@ -863,6 +863,24 @@ fn exit_code(err: &anyhow::Error) -> u8 {
     }
 }
 
+/// `err` and its causes, joined by `: `, leaving out a cause whose text the message
+/// already holds (the crates' errors quote the error they wrap and keep it as their source,
+/// so `{:#}` printed it twice or more).
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -885,7 +903,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             ExitCode::from(exit_code(&err))
         }
     }

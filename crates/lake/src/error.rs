@@ -63,7 +63,8 @@ impl LakeError {
     /// Wraps a DataFusion error with context.
     pub fn datafusion(context: impl Into<String>, e: datafusion::error::DataFusionError) -> Self {
         use datafusion::error::DataFusionError as D;
-        let kind = match &e {
+        // The kind of the innermost error: a plan error arrives wrapped in context.
+        let kind = match e.find_root() {
             D::SQL(..) | D::Plan(_) | D::SchemaError(..) | D::NotImplemented(_) => {
                 ErrorKind::InvalidInput
             }

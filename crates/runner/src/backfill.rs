@@ -217,7 +217,7 @@ pub struct SubRange {
     pub late: u64,
     /// Duplicates.
     pub duplicates: u64,
-    /// Processing seconds.
+    /// Seconds from its start to its commit: reading, processing and waiting for budgets.
     pub seconds: f64,
     /// Where its time went, once done (none from a version that did not record it).
     pub stages: Option<StageSeconds>,
@@ -801,6 +801,18 @@ pub async fn create(
             format!("key-group splits must be 1 to {key_groups}"),
         ));
     }
+    if let Some(0) = request.budgets.read_bytes_per_sec {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "--read-bytes-per-sec must be positive (leave it out for no limit)",
+        ));
+    }
+    if let Some(0) = request.budgets.write_rows_per_sec {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            "--write-rows-per-sec must be positive (leave it out for no limit)",
+        ));
+    }
     if let Some(0) = request.budgets.records_per_sec {
         return Err(RunnerError::new(
             ErrorKind::InvalidInput,
@@ -1194,6 +1206,9 @@ pub async fn run(
         store.set_desired(&spec.name, namespace, "run").await?;
     }
     let throttle = Arc::new(Throttle::new(&record.budgets));
+    // Nothing is admitted before the controller's first reading of the live job's guards
+    // (see `Controller::new`).
+    throttle.set_rate(Some(0), None);
     let control = Arc::new(AtomicU8::new(RUN));
     let labels: Labels = vec![
         ("job".into(), spec.name.clone()),
@@ -1318,10 +1333,18 @@ async fn background(
     m.rate_limit
         .get_or_create(&labels)
         .set(rate_gauge(controller.rate()));
+    let mut first = true;
     loop {
+        // The first reading at once: the run waits on it.
+        let pause = if first {
+            Duration::ZERO
+        } else {
+            options.probe_every
+        };
+        first = false;
         tokio::select! {
             _ = stop.changed() => return,
-            _ = tokio::time::sleep(options.probe_every) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
         let reading = tokio::time::timeout(Duration::from_secs(1), (options.probe)())
             .await
@@ -1519,7 +1542,6 @@ impl Running {
         let Some(mut out) = self.process(&sub).await? else {
             return Ok(false);
         };
-        out.figures.seconds = started.elapsed().as_secs_f64();
         drop(processing);
         out.stages
             .waiting(
@@ -1527,6 +1549,9 @@ impl Running {
                 self.throttle.admit_rows(out.rows.len() as u64),
             )
             .await;
+        // Up to the commit, the wait for the rows budget included, so the sub-range's rate
+        // is what its budgets allowed.
+        out.figures.seconds = started.elapsed().as_secs_f64();
         let committing = Instant::now();
         let out_snapshot = self.commit(output, &sub, &out).await?;
         let commit = committing.elapsed();

@@ -164,6 +164,9 @@ pub struct Decision {
 /// Where the backfill stands between the floor and the ceiling.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Mode {
+    /// Before the first reading of the guards: nothing is admitted, since a live job that
+    /// cannot be read counts as crossed.
+    Starting,
     Full,
     Reclaimed,
     Borrowing(u32),
@@ -185,12 +188,13 @@ const UNLIMITED_AFTER: u32 = 2_000_000;
 const FIRST_STEP: u32 = 5_000;
 
 impl Controller {
-    /// A controller starting at full speed.
+    /// A controller that admits nothing until its first reading: then it goes to full
+    /// speed if the guards are clear, and to the floor otherwise.
     pub fn new(guards: Guards, budgets: Budgets) -> Self {
         Self {
             guards,
             budgets,
-            mode: Mode::Full,
+            mode: Mode::Starting,
             clear_since: None,
             last_step: Instant::now(),
         }
@@ -204,6 +208,7 @@ impl Controller {
     /// The current rate (None: unlimited).
     pub fn rate(&self) -> Option<u32> {
         match self.mode {
+            Mode::Starting => Some(0),
             Mode::Full => self.ceiling(),
             Mode::Reclaimed => Some(self.budgets.floor_records_per_sec),
             Mode::Borrowing(r) => Some(r),
@@ -236,6 +241,20 @@ impl Controller {
             });
         }
         let r = reading?;
+        if self.mode == Mode::Starting {
+            let clear = self.guards.clear(r);
+            self.mode = if clear { Mode::Full } else { Mode::Reclaimed };
+            return Some(Decision {
+                action: if clear { "full" } else { "reclaim" },
+                rate: self.rate(),
+                cause: if clear {
+                    "guards clear at the start".to_string()
+                } else {
+                    "guards not clear at the start".to_string()
+                },
+                crossed_at: None,
+            });
+        }
         if !self.guards.clear(r) {
             // Between clear and crossed: hold (hysteresis).
             self.clear_since = None;
@@ -550,6 +569,23 @@ mod tests {
         now += Duration::from_secs(1);
         let d = c.observe(Some(&reading(now, 2.5)), now).expect("reclaim");
         assert_eq!(d.rate, Some(1_000));
+    }
+
+    #[test]
+    fn nothing_is_admitted_before_the_first_reading() {
+        let t0 = Instant::now();
+        let mut c = controller(1_000, Some(40_000));
+        assert_eq!(c.rate(), Some(0));
+        let d = c.observe(Some(&reading(t0, 0.1)), t0).expect("full");
+        assert_eq!((d.action, d.rate), ("full", Some(40_000)));
+        // In the hysteresis band at the start: the floor, until the guards clear.
+        let mut c = controller(1_000, Some(40_000));
+        let d = c.observe(Some(&reading(t0, 1.5)), t0).expect("reclaim");
+        assert_eq!((d.action, d.rate), ("reclaim", Some(1_000)));
+        // Unreadable at the start: the floor, as when crossed.
+        let mut c = controller(0, None);
+        let d = c.observe(None, t0).expect("reclaim");
+        assert_eq!(d.rate, Some(0));
     }
 
     #[test]
