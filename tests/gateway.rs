@@ -734,6 +734,121 @@ async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
     assert_eq!(landed(&backend.config).await.len(), 240);
 }
 
+/// A refusal is filed under the tenant whose key made the request, not under the tenant
+/// its body claims: a key cannot put rows under another tenant's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_filed_under_the_authenticated_tenant() {
+    let backend = support::embedded();
+    let gw = start(dev_config(), &backend.config).await;
+    let a = post(&gw.url, T0, &[event("claims-1", "tenant-1", "p-1")]).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    let mut broken = event("claims-9", "tenant-9", "p-1");
+    broken.as_object_mut().unwrap().remove("market_id");
+    let a = post(&gw.url, T0, &[broken]).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    let a = post_raw(&gw.url, Some(T0), Some("text/plain"), None, b"x".to_vec()).await;
+    assert_eq!(a.status, 415, "{}", a.body);
+    gw.stop().await;
+    let lake = Lake::open(backend.config.clone()).await.unwrap();
+    let plan = lake
+        .plan_time_range(LakeTable::Rejections, i64::MIN, i64::MAX, None)
+        .await
+        .unwrap();
+    let mut rows = Vec::new();
+    for b in lake
+        .read_all(LakeTable::Rejections, plan.tasks)
+        .await
+        .unwrap()
+    {
+        let reason =
+            arrow::array::AsArray::as_string::<i32>(b.column_by_name("reason_code").unwrap());
+        let tenant = arrow::array::AsArray::as_string::<i32>(b.column_by_name("tenant").unwrap());
+        rows.extend((0..b.num_rows()).map(|i| {
+            (
+                reason.value(i).to_string(),
+                (!arrow::array::Array::is_null(tenant, i)).then(|| tenant.value(i).to_string()),
+            )
+        }));
+    }
+    rows.sort();
+    assert_eq!(
+        rows,
+        [
+            ("missing_field".to_string(), Some("tenant-0".to_string())),
+            ("tenant_mismatch".to_string(), Some("tenant-0".to_string())),
+            (
+                "unsupported_media_type".to_string(),
+                Some("tenant-0".to_string())
+            ),
+        ]
+    );
+}
+
+/// Requests without a valid key cannot flood the evidence table: past a budget they are
+/// counted, not recorded. What is recorded names the key's digest and the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_without_a_valid_key_are_recorded_within_a_budget() {
+    let backend = support::embedded();
+    let gw = start(dev_config(), &backend.config).await;
+    let flood = Instant::now();
+    for chunk in 0..10 {
+        let answers: Vec<_> = (0..40)
+            .map(|i| {
+                let url = gw.url.clone();
+                tokio::spawn(async move { post(&url, &format!("junk-{chunk}-{i}"), &[]).await })
+            })
+            .collect();
+        for a in answers {
+            assert_eq!(a.await.unwrap().status, 401);
+        }
+    }
+    // The budget: a burst of 100, then 10 a second.
+    let budget = 100.0 + 10.0 * flood.elapsed().as_secs_f64().ceil() + 2.0;
+    let metrics = reqwest::get(format!("{}/metrics", gw.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let unrecorded: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("signalweave_gateway_unauthenticated_unrecorded_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(
+        unrecorded >= 400.0 - budget,
+        "{unrecorded} of 400, budget {budget}"
+    );
+    gw.stop().await;
+    let lake = Lake::open(backend.config.clone()).await.unwrap();
+    let plan = lake
+        .plan_time_range(LakeTable::Rejections, i64::MIN, i64::MAX, None)
+        .await
+        .unwrap();
+    let mut details = Vec::new();
+    for b in lake
+        .read_all(LakeTable::Rejections, plan.tasks)
+        .await
+        .unwrap()
+    {
+        let d = arrow::array::AsArray::as_string::<i32>(b.column_by_name("detail").unwrap());
+        details.extend((0..b.num_rows()).map(|i| d.value(i).to_string()));
+    }
+    assert!(
+        details.len() >= 100 && details.len() as f64 <= budget,
+        "{} rows recorded, budget {budget}",
+        details.len()
+    );
+    assert_eq!(details.len() as f64 + unrecorded, 400.0);
+    assert!(
+        details
+            .iter()
+            .all(|d| d.contains("SHA-256") && d.contains("from 127.0.0.1")),
+        "{:?}",
+        &details[..3]
+    );
+}
+
 /// A request larger than a quota bucket can ever hold is refused 413 with evidence, not
 /// 429 forever. One beyond the tenant's capacity takes no tokens: a request that fits is
 /// admitted right after. (A producer's share is known only after validation, when the

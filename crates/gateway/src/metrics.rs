@@ -44,6 +44,9 @@ pub struct Metrics {
     pub dedup_entries: Gauge,
     /// Rejection evidence rows dropped because the evidence queue was full.
     pub evidence_dropped: Counter,
+    /// Refusals of requests without a valid key left unrecorded: beyond their evidence
+    /// budget (so such requests cannot flood `signalweave.rejections`).
+    pub unauthenticated_unrecorded: Counter,
 }
 
 impl Default for Metrics {
@@ -70,6 +73,7 @@ impl Metrics {
         let queue_oldest_age_seconds = Gauge::<f64, AtomicU64>::default();
         let dedup_entries = Gauge::default();
         let evidence_dropped = Counter::default();
+        let unauthenticated_unrecorded = Counter::default();
         registry.register("requests", "Requests answered, by status", requests.clone());
         registry.register("events", "Events by outcome", events.clone());
         registry.register(
@@ -124,6 +128,11 @@ impl Metrics {
             "Rejection evidence rows dropped (evidence queue full)",
             evidence_dropped.clone(),
         );
+        registry.register(
+            "unauthenticated_unrecorded",
+            "Refusals of requests without a valid key beyond their evidence budget, not recorded",
+            unauthenticated_unrecorded.clone(),
+        );
         Self {
             registry,
             requests,
@@ -140,6 +149,7 @@ impl Metrics {
             queue_oldest_age_seconds,
             dedup_entries,
             evidence_dropped,
+            unauthenticated_unrecorded,
         }
     }
 

@@ -183,6 +183,7 @@ impl Quotas {
     pub fn retain_recent(&self) {
         for t in &self.tenants {
             t.producers.retain_recent();
+            t.producers.shrink_to_fit();
         }
     }
 }

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::TryStreamExt;
 use serde::Serialize;
-use signalweave_lake::{Lake, LakeTable, rejection_batch};
+use signalweave_lake::{Lake, LakeTable, rejection_batch_of};
 use signalweave_model::{
     ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry, ValidationLimits,
     format_rfc3339_micros,
@@ -56,7 +56,14 @@ struct AppState {
     permits: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Submission>,
     ready: AtomicBool,
+    /// Evidence rows for refusals of requests without a valid key: they name no tenant
+    /// whose quota could pay for them, so they share one budget.
+    unauthenticated_evidence: governor::DefaultDirectRateLimiter,
 }
+
+/// Evidence rows per second for requests without a valid key (and its burst).
+const UNAUTHENTICATED_EVIDENCE_PER_SEC: u32 = 10;
+const UNAUTHENTICATED_EVIDENCE_BURST: u32 = 100;
 
 /// A running gateway: the committer task and the state the HTTP handlers share.
 pub struct Gateway {
@@ -194,7 +201,29 @@ impl Gateway {
             metrics,
             tx,
             ready: AtomicBool::new(true),
+            unauthenticated_evidence: governor::RateLimiter::direct(
+                governor::Quota::per_second(
+                    std::num::NonZeroU32::new(UNAUTHENTICATED_EVIDENCE_PER_SEC)
+                        .unwrap_or(std::num::NonZeroU32::MIN),
+                )
+                .allow_burst(
+                    std::num::NonZeroU32::new(UNAUTHENTICATED_EVIDENCE_BURST)
+                        .unwrap_or(std::num::NonZeroU32::MIN),
+                ),
+            ),
             config,
+        });
+        // Idle producers' quota buckets are forgotten now and then, so a key that may speak
+        // for any producer cannot grow the gateway's memory without bound.
+        let weak = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(30));
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                state.quotas.retain_recent();
+            }
         });
         Ok(Self {
             state,
@@ -242,7 +271,11 @@ impl Gateway {
         let state = Arc::clone(&self.state);
         let phase = Arc::clone(&self.phase);
         let mut stopping = self.phase.subscribe();
-        let served = axum::serve(listener, router).with_graceful_shutdown(async move {
+        let served = axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
             shutdown.await;
             state.ready.store(false, Ordering::Release);
             phase.send_replace(Phase::Draining);
@@ -477,11 +510,18 @@ fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: 
         .rejections
         .get_or_create(&[("reason", rejection.reason.as_str())])
         .inc();
+    if grant.is_none() && st.unauthenticated_evidence.check().is_err() {
+        st.metrics.unauthenticated_unrecorded.inc();
+        return;
+    }
     let source = grant.map_or_else(
         || "gateway".to_string(),
         |g| format!("gateway/{}", g.tenant),
     );
-    if let Ok(batch) = rejection_batch(now_us(), &source, &[(body, 0, rejection.clone())]) {
+    let tenant = grant.map(|g| &*g.tenant);
+    if let Ok(batch) =
+        rejection_batch_of(now_us(), &source, tenant, &[(body, 0, rejection.clone())])
+    {
         let (reply, _) = oneshot::channel();
         let _ = st.tx.send(Submission {
             tenant_index: grant.map_or(0, |g| g.tenant_index),
@@ -587,16 +627,29 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     };
     let (parts, body) = request.into_parts();
     let headers = &parts.headers;
+    // Who sent a request without a valid key: its address, when the server knows it.
+    let from = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map_or_else(String::new, |c| format!(" (from {})", c.0));
     let Some(token) = bearer(headers) else {
         let r = Rejection::new(
             ReasonCode::MissingCredentials,
-            "an `Authorization: Bearer <key>` header is required",
+            format!("an `Authorization: Bearer <key>` header is required{from}"),
         );
         record_refusal(st, None, b"", &r);
         return Err(Refusal::rejection(StatusCode::UNAUTHORIZED, &r));
     };
     let Some(grant) = st.auth.authenticate(token).cloned() else {
-        let r = Rejection::new(ReasonCode::InvalidCredentials, "the API key is not known");
+        // The key itself is not kept: the start of its SHA-256 tells keys apart.
+        let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(token.as_bytes()));
+        let r = Rejection::new(
+            ReasonCode::InvalidCredentials,
+            format!(
+                "the API key is not known (SHA-256 {}…){from}",
+                &digest[..12]
+            ),
+        );
         record_refusal(st, None, b"", &r);
         return Err(Refusal::rejection(StatusCode::UNAUTHORIZED, &r));
     };
@@ -741,7 +794,13 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             .iter()
             .map(|(i, r)| (events[*i], *i as u64, r.clone()))
             .collect();
-        rejection_batch(now, &format!("gateway/{}", grant.tenant), &rows).ok()
+        rejection_batch_of(
+            now,
+            &format!("gateway/{}", grant.tenant),
+            Some(&grant.tenant),
+            &rows,
+        )
+        .ok()
     };
     st.metrics.accepted_bytes.inc_by(accepted_bytes as u64);
     let candidates = accepted.len();

@@ -48,7 +48,7 @@ pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,
     SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID,
 };
-pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch};
+pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch, rejection_batch_of};
 pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
     PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold,

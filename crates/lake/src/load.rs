@@ -161,7 +161,17 @@ impl RejectionBatch {
         }
     }
 
-    fn push(&mut self, at_us: i64, source: &str, raw: &[u8], position: u64, rejection: &Rejection) {
+    /// Adds one rejected record. Its tenant is `tenant` when the source authenticated one
+    /// (the gateway), else what the record claims.
+    fn push(
+        &mut self,
+        at_us: i64,
+        source: &str,
+        tenant: Option<&str>,
+        raw: &[u8],
+        position: u64,
+        rejection: &Rejection,
+    ) {
         // Identify the record as far as it can be parsed, without keeping its values.
         let parsed: Option<Map<String, Value>> = serde_json::from_slice(raw).ok();
         let field = |name: &str| {
@@ -173,7 +183,8 @@ impl RejectionBatch {
         };
         self.received_at.append_value(at_us);
         self.source.append_value(source);
-        self.tenant.append_option(field("tenant"));
+        self.tenant
+            .append_option(tenant.map(str::to_owned).or_else(|| field("tenant")));
         self.producer_id.append_option(field("producer_id"));
         self.event_id.append_option(field("event_id"));
         self.event_type.append_option(field("event_type"));
@@ -206,15 +217,30 @@ impl RejectionBatch {
     }
 }
 
-/// Builds a batch of rejection evidence: for the gateway and for `load`.
+/// Builds a batch of rejection evidence, each row's tenant the one its record claims (for
+/// `load`).
 pub fn rejection_batch(
     at_us: i64,
     source: &str,
     rejected: &[(&[u8], u64, Rejection)],
 ) -> Result<RecordBatch> {
+    rejection_batch_of(at_us, source, None, rejected)
+}
+
+/// Builds a batch of rejection evidence. With `tenant` (the tenant a source authenticated,
+/// as the gateway does), every row is that tenant's, whatever its record claims: a
+/// tenant's refusals are found under its own name, and no key can file rows under
+/// another's. The claimed tenant stays in the record's digest and, for a mismatch, in the
+/// detail.
+pub fn rejection_batch_of(
+    at_us: i64,
+    source: &str,
+    tenant: Option<&str>,
+    rejected: &[(&[u8], u64, Rejection)],
+) -> Result<RecordBatch> {
     let mut b = RejectionBatch::new();
     for (raw, pos, r) in rejected {
-        b.push(at_us, source, raw, *pos, r);
+        b.push(at_us, source, tenant, raw, *pos, r);
     }
     b.finish()
 }
@@ -262,8 +288,14 @@ impl ChunkState<'_> {
                     .chunk_rejected
                     .entry(rejection.reason.as_str().to_owned())
                     .or_default() += 1;
-                self.rejections
-                    .push(now, &self.options.source_name, raw, position, &rejection);
+                self.rejections.push(
+                    now,
+                    &self.options.source_name,
+                    None,
+                    raw,
+                    position,
+                    &rejection,
+                );
             }
         }
     }

@@ -323,6 +323,16 @@ impl LiveJob {
                 .checkpoint_bytes
                 .get_or_create(&job.labels)
                 .set(r.bytes as i64);
+            // The status says where the job is from the start, not from its next
+            // checkpoint.
+            let size = job.engine.state_size();
+            if let Ok(mut s) = job.status.lock() {
+                s.epoch = epoch;
+                s.position = job.position;
+                s.checkpoint_bytes = r.bytes;
+                s.state_keys = size.keys as u64;
+                s.state_bytes = (size.window_state_bytes + size.dedup_bytes) as u64;
+            }
         }
         let retired = job
             .store
