@@ -310,6 +310,8 @@ fn a_start_that_fails_its_checks_leaves_no_backfill_behind() {
         vec!["--guard-queue-age", "0s"],
         vec!["--live-status", "not-a-url"],
         vec!["--metrics-addr", taken.as_str()],
+        // 180 slices of a minute, by 256 key-group ranges: beyond the plan's limit.
+        vec!["--slice", "1m", "--key-group-splits", "256"],
     ] {
         let out = start(&lake, "checked", &flags).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {out:?}");
@@ -317,6 +319,19 @@ fn a_start_that_fails_its_checks_leaves_no_backfill_behind() {
             try_status(&lake, "checked").is_none(),
             "{flags:?} left a backfill"
         );
+    }
+    // A status of what does not exist says so, filtered by job, namespace or both.
+    for filter in [
+        vec!["--job", "nosuchjob"],
+        vec!["--namespace", "checked"],
+        vec!["--job", "market_aggregates", "--namespace", "checked"],
+    ] {
+        let out = sw(&lake)
+            .args(["backfill", "status"])
+            .args(&filter)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{filter:?}: {out:?}");
     }
 }
 

@@ -543,6 +543,9 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                     .map_or_else(|| "(empty)".to_string(), |s| s.to_string()),
                 record.output_table(&spec)?.name()
             )?;
+            if subranges.iter().all(|s| s.planned_records == 0) {
+                outln!("warning: no landed event falls in the range: every window will be empty")?;
+            }
             if a.detach {
                 print_record(&record)?;
                 return Ok(ExitCode::SUCCESS);
@@ -639,13 +642,20 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
 
 fn print_comparison(format: Format, c: &compare::Comparison) -> Result<()> {
     outln!(
-        "{} `{}` (version {}) against the current outputs, windows overlapping [{}, {}):",
+        "{} `{}` (version {}, {}) against the current outputs, windows overlapping [{}, {}):",
         c.job,
         c.namespace,
         c.job_version,
+        c.state,
         c.from,
         c.to
     )?;
+    if c.state != "completed" {
+        outln!(
+            "the backfill is {}: the windows of its sub-ranges not done show as missing",
+            c.state
+        )?;
+    }
     print_rows(
         format,
         &[
@@ -733,12 +743,27 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
     let store = BackfillStore::open(lake.clone()).await?;
     let records: Vec<BackfillRecord> = match (&a.job, &a.namespace) {
         (Some(job), Some(ns)) => vec![store.require(job, ns).await?],
-        (job, _) => store
-            .list()
-            .await?
-            .into_iter()
-            .filter(|r| job.as_ref().is_none_or(|j| *j == r.job))
-            .collect(),
+        (job, ns) => {
+            let records: Vec<BackfillRecord> = store
+                .list()
+                .await?
+                .into_iter()
+                .filter(|r| job.as_ref().is_none_or(|j| *j == r.job))
+                .filter(|r| ns.as_ref().is_none_or(|n| *n == r.namespace))
+                .collect();
+            if records.is_empty() && (job.is_some() || ns.is_some()) {
+                return Err(anyhow::Error::new(signalweave_runner::RunnerError::new(
+                    signalweave_model::ErrorKind::NotFound,
+                    format!(
+                        "no backfill{}{}",
+                        job.as_ref().map_or(String::new(), |j| format!(" of {j}")),
+                        ns.as_ref()
+                            .map_or(String::new(), |n| format!(" in namespace `{n}`"))
+                    ),
+                )));
+            }
+            records
+        }
     };
     let mut rows = Vec::new();
     let mut json = Vec::new();
@@ -772,7 +797,13 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
                 format_rfc3339_micros(r.from_us),
                 format_rfc3339_micros(r.to_us)
             ),
-            format!("{}{}", r.state, if running { " (live runner)" } else { "" }),
+            match (r.state.as_str(), running) {
+                (state, true) => format!("{state} (live runner)"),
+                // Its runner is gone (killed, or the machine lost): nothing moves until
+                // `resume`.
+                ("running", false) => "interrupted (resume to continue)".to_string(),
+                (state, false) => state.to_string(),
+            },
             format!("{done}/{}", subs.len()),
             records_done.to_string(),
             rate.map_or_else(|| "-".into(), |x| format!("{x:.0}/s")),

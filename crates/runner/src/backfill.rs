@@ -738,6 +738,9 @@ pub fn validate_namespace(namespace: &str) -> Result<()> {
     Ok(())
 }
 
+/// The most sub-ranges a backfill plans.
+pub const MAX_SUBRANGES: u64 = 20_000;
+
 /// How far before a sub-range a backfill reads so that its first windows are complete.
 pub fn lead_in_us(spec: &JobSpec) -> i64 {
     match spec.window {
@@ -834,6 +837,19 @@ pub async fn create(
             format!(
                 "namespace `{}` of {} belongs to the backfill started by {} (state {}): choose another namespace",
                 existing.namespace, existing.job, existing.created_by, existing.state
+            ),
+        ));
+    }
+    // Each sub-range is a row read by every status and a commit of its own: a plan of
+    // tens of thousands is a mistake (a tiny slice over a long range), not a backfill.
+    let count = slices(request.from_us, request.to_us, slice_us).len() as u64
+        * u64::from(request.key_group_splits);
+    if count > MAX_SUBRANGES {
+        return Err(RunnerError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "the plan would have {count} sub-ranges, more than {MAX_SUBRANGES}: use a \
+                 longer --slice or fewer --key-group-splits"
             ),
         ));
     }

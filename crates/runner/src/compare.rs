@@ -53,6 +53,9 @@ pub struct Comparison {
     pub namespace: String,
     /// Its job version.
     pub job_version: u32,
+    /// The backfill's state when compared: short of `completed`, the windows of its
+    /// sub-ranges not done show as missing.
+    pub state: String,
     /// Range (RFC 3339): windows overlapping it are compared.
     pub from: String,
     /// Range end (RFC 3339).
@@ -168,6 +171,7 @@ pub async fn compare(
         job: record.job.clone(),
         namespace: record.namespace.clone(),
         job_version: record.job_version,
+        state: record.state.clone(),
         from: format_rfc3339_micros(record.from_us),
         to: format_rfc3339_micros(record.to_us),
         only_current: live_aggs
