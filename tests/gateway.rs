@@ -849,6 +849,44 @@ async fn refusals_without_a_valid_key_are_recorded_within_a_budget() {
     );
 }
 
+/// The edges of the HTTP surface answer in the gateway's error shape: 401 names its
+/// scheme, an unknown path or method gets a JSON error, a body led by a UTF-8 byte order
+/// mark is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_edges_answer_in_the_error_shape() {
+    let backend = support::embedded();
+    let gw = start(dev_config(), &backend.config).await;
+    let a = post(&gw.url, "junk", &[event("e-1", "tenant-0", "p-1")]).await;
+    assert_eq!(a.status, 401);
+    assert_eq!(
+        a.headers.get("www-authenticate").unwrap(),
+        "Bearer realm=\"signalweave\""
+    );
+    let client = reqwest::Client::new();
+    for (req, status, reason) in [
+        (
+            client.get(format!("{}/v2/nothing", gw.url)),
+            404,
+            "not_found",
+        ),
+        (
+            client.get(format!("{}/v1/events", gw.url)),
+            405,
+            "method_not_allowed",
+        ),
+    ] {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status);
+        let body: Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+        assert_eq!(body["error"]["reason"], reason, "{body}");
+    }
+    let mut bom = b"\xEF\xBB\xBF".to_vec();
+    bom.extend(serde_json::to_vec(&[event("bom-1", "tenant-0", "p-1")]).unwrap());
+    let a = post_raw(&gw.url, Some(T0), Some("application/json"), None, bom).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    gw.stop().await;
+}
+
 /// A request larger than a quota bucket can ever hold is refused 413 with evidence, not
 /// 429 forever. One beyond the tenant's capacity takes no tokens: a request that fits is
 /// admitted right after. (A producer's share is known only after validation, when the

@@ -98,6 +98,8 @@ pub fn decode(
 /// an array of values is refused as a whole; an NDJSON body is split by line, so one bad
 /// line does not spoil the others. Blank lines are skipped.
 pub fn split(format: BodyFormat, body: &[u8], max_events: usize) -> Result<Vec<&[u8]>, Rejection> {
+    // A UTF-8 byte order mark may lead a body (RFC 8259 lets a parser ignore it).
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let events: Vec<&[u8]> = match format {
         BodyFormat::Ndjson => body
             .split(|b| *b == b'\n')

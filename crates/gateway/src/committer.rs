@@ -316,7 +316,9 @@ impl Committer {
                         });
                     }
                     if now == Phase::Closed {
-                        closed = true;
+                        // No more submissions; those already sent are still received
+                        // (evidence of refusals among them), then `recv` says closed.
+                        rx.close();
                         phase_known = true;
                     }
                 }

@@ -251,6 +251,8 @@ impl Gateway {
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
             .route("/metrics", get(metrics))
+            .fallback(not_served)
+            .method_not_allowed_fallback(not_served)
             .layer(DefaultBodyLimit::disable())
             .with_state(Arc::clone(&self.state))
     }
@@ -453,7 +455,46 @@ fn refuse(st: &AppState, r: Refusal) -> Response {
     if capacity {
         headers.insert(MAX_EVENT_AGE_HEADER, HeaderValue::from(max_age));
     }
+    if r.status == StatusCode::UNAUTHORIZED {
+        headers.insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"signalweave\""),
+        );
+    }
     resp
+}
+
+/// A path or method the gateway does not serve, answered in its error shape.
+async fn not_served(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let known = matches!(
+        uri.path(),
+        "/v1/events" | "/healthz" | "/readyz" | "/metrics"
+    );
+    let (status, reason, detail) = if known {
+        (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{method} is not served on {}", uri.path()),
+        )
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!(
+                "nothing is served at {}: events go to POST /v1/events",
+                uri.path()
+            ),
+        )
+    };
+    let body = ErrorBody {
+        error: ErrorDetail {
+            reason,
+            detail: &detail,
+            retry_after_s: None,
+            max_event_age_s: None,
+        },
+    };
+    (status, axum::Json(body)).into_response()
 }
 
 /// The 503 causes that do not depend on the request: store failing, commit stalled,

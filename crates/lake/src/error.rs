@@ -37,6 +37,11 @@ impl LakeError {
         self.kind
     }
 
+    /// What failed, without the kind.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     /// Whether retrying can succeed.
     pub fn retryable(&self) -> bool {
         self.kind.retryable()

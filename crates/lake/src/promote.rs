@@ -162,8 +162,13 @@ impl Lake {
             return Err(LakeError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "namespace `{}` of {} is promoted already (by {} at {} ms): roll it back first",
-                    active.namespace, active.job, active.promoted_by, active.promoted_ms
+                    "namespace `{}` of {} is promoted already (by {} at {}): roll it back first",
+                    active.namespace,
+                    active.job,
+                    active.promoted_by,
+                    signalweave_model::format_rfc3339_micros(
+                        active.promoted_ms.saturating_mul(1000)
+                    )
                 ),
             ));
         }

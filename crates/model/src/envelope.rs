@@ -369,6 +369,93 @@ fn optional_i64(obj: &Map<String, Value>, name: &str) -> Result<Option<i64>, Rej
     }
 }
 
+/// A sequence or version number: never below zero.
+fn non_negative(name: &str, v: i64) -> Result<(), Rejection> {
+    if v < 0 {
+        return Err(reject(
+            ReasonCode::WrongType,
+            format!("`{name}` must be 0 or more, got {v}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Parses JSON as `serde_json` does, except that an object naming a key twice is an
+/// error: which of the two values counts is up to each parser, so two readers of one
+/// event could disagree on its identity or its amount.
+pub fn parse_unique_keys(text: &str) -> serde_json::Result<Value> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = UniqueKeys.deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
+
+/// See [`parse_unique_keys`].
+struct UniqueKeys;
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueKeys {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        serde_json::Number::from_f64(v)
+            .map(Value::Number)
+            .ok_or_else(|| E::custom("a number that is not finite"))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(UniqueKeys)? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!(
+                    "the key `{key}` appears twice in one object"
+                )));
+            }
+            let value = map.next_value_seed(UniqueKeys)?;
+            out.insert(key, value);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
 fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -433,7 +520,7 @@ impl EventValidator {
                 format!("invalid UTF-8 at byte {}", e.valid_up_to()),
             )
         })?;
-        let value: Value = serde_json::from_str(text)
+        let value = parse_unique_keys(text)
             .map_err(|e| reject(ReasonCode::MalformedJson, e.to_string()))?;
         self.validate_value(&value, now_us, ingest_time_us)
     }
@@ -518,6 +605,7 @@ impl EventValidator {
         let producer_id = required_str(obj, "producer_id")?;
         let producer_seq = optional_i64(obj, "producer_seq")?
             .ok_or_else(|| reject(ReasonCode::MissingField, "`producer_seq` is required"))?;
+        non_negative("producer_seq", producer_seq)?;
         let event_time_us = parse_rfc3339_micros(required_str(obj, "event_time")?)?;
         if event_time_us > now_us.saturating_add(self.limits.max_future_skew_us) {
             return Err(reject(
@@ -554,6 +642,7 @@ impl EventValidator {
                 .unwrap_or_else(|| event_id.to_owned()),
         };
         let business_version = optional_i64(obj, "business_version")?.unwrap_or(1);
+        non_negative("business_version", business_version)?;
 
         let empty = Map::new();
         let payload = match obj.get("payload") {

@@ -175,6 +175,14 @@ fn bad_records_are_classified() {
             Box::new(|e| e["surprise"] = json!(1)),
             ReasonCode::UnknownField,
         ),
+        (
+            Box::new(|e| e["producer_seq"] = json!(-1)),
+            ReasonCode::WrongType,
+        ),
+        (
+            Box::new(|e| e["business_version"] = json!(-1)),
+            ReasonCode::WrongType,
+        ),
     ];
     for (i, (mutate, expected)) in cases.into_iter().enumerate() {
         let mut e = base_event("1.0.0");
@@ -191,6 +199,18 @@ fn bad_records_are_classified() {
             v.validate_bytes(bytes, NOW, NOW).unwrap_err().reason,
             expected
         );
+    }
+    // A key named twice, in the envelope or in the payload, is ambiguous: refused.
+    let good = base_event("1.0.0").to_string();
+    assert!(v.validate_bytes(good.as_bytes(), NOW, NOW).is_ok());
+    let id = base_event("1.0.0")["event_id"].to_string();
+    for twice in [
+        good.replacen('{', &format!("{{\"event_id\":{id},"), 1),
+        good.replacen("\"amount_minor\"", "\"amount_minor\":1,\"amount_minor\"", 1),
+    ] {
+        let got = v.validate_bytes(twice.as_bytes(), NOW, NOW).unwrap_err();
+        assert_eq!(got.reason, ReasonCode::MalformedJson, "{twice}: {got}");
+        assert!(got.detail.contains("appears twice"), "{got}");
     }
     let deep = "[".repeat(10_000);
     assert_eq!(

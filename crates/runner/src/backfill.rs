@@ -499,7 +499,17 @@ impl BackfillStore {
             .bind(i64::from(record.exact_dedup))
             .execute(&mut *tx)
             .await
-            .map_err(|e| RunnerError::sql("record the backfill", e))?;
+            .map_err(|e| match RunnerError::sql("record the backfill", e) {
+                // Another start took the namespace since it was checked.
+                e if e.kind() == ErrorKind::Conflict => RunnerError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "namespace `{}` of {} was just taken by another start: choose another namespace",
+                        record.namespace, record.job
+                    ),
+                ),
+                e => e,
+            })?;
         let sql = self.q(
             "INSERT INTO sw_backfill_ranges (catalog_name, job, namespace, seq, from_us, to_us, \
              kg_lo, kg_hi, planned_records, state, records, bytes_read, rows_written, late, \

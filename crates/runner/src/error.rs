@@ -47,14 +47,15 @@ impl RunnerError {
     }
 }
 
+// The kind is said once: a runner error names it before the message.
 impl From<LakeError> for RunnerError {
     fn from(e: LakeError) -> Self {
-        Self::new(e.kind(), e.to_string())
+        Self::new(e.kind(), e.message())
     }
 }
 
 impl From<WindowError> for RunnerError {
     fn from(e: WindowError) -> Self {
-        Self::new(e.kind(), e.to_string())
+        Self::new(e.kind(), e.message())
     }
 }
