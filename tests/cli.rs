@@ -211,6 +211,24 @@ fn bad_input_exits_classified() {
     assert_eq!(no_table.status.code(), Some(2));
     // A user's SQL naming what is not there is bad input, said once.
     assert_eq!(sw(&lake, &["lake", "init"]).status.code(), Some(0));
+    // `sql` only reads: writing files, DDL and session statements are refused before
+    // they run, and nothing is written.
+    let target = dir.path().join("written.parquet");
+    for query in [
+        format!(
+            "copy (select * from signalweave.events limit 0) to '{}' stored as parquet",
+            target.display()
+        ),
+        "drop table signalweave.events".to_string(),
+        "create table signalweave.foo as select 1 x".to_string(),
+        "set datafusion.execution.batch_size = 10".to_string(),
+    ] {
+        let out = sw(&lake, &["sql", &query]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{query}: {stderr}");
+        assert!(stderr.contains("only reads the lake"), "{query}: {stderr}");
+    }
+    assert!(!target.exists());
     for query in [
         "select nosuchcol from signalweave.events",
         "select * from signalweave.nosuchtable",

@@ -746,6 +746,9 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
             .await
             .unwrap();
         let old_files = lake.current_data_files(LakeTable::Events).await.unwrap();
+        // A reader caught up before the erasure, and one behind.
+        let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+        let (behind, caught_up) = (snaps[0].snapshot_id, snaps.last().unwrap().snapshot_id);
         let report = lake
             .erase_customer(&signalweave_lake::ErasureRequest {
                 customer_id: subject.clone(),
@@ -792,6 +795,41 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
             deleted += 1;
         }
         assert_eq!(deleted, report.tables[0].files_rewritten);
+        // The caught-up reader's position is expired with the rest, but the erasure that
+        // followed it is kept: it goes on from there, reading no rewritten row again and
+        // every row appended after. The reader behind cannot: what the expired snapshots
+        // after it added is gone.
+        let plan = lake
+            .plan_appended_since(LakeTable::Events, Some(caught_up))
+            .await
+            .unwrap();
+        assert!(plan.tasks.is_empty(), "{}: {:?}", b.name, plan.snapshots);
+        let err = lake
+            .plan_appended_since(LakeTable::Events, Some(behind))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), signalweave_model::ErrorKind::NotFound, "{err}");
+        lake.append(
+            LakeTable::Events,
+            &[batch(&evs[..10])],
+            &CommitIdentity::new("after-erasure", 0),
+        )
+        .await
+        .unwrap();
+        let plan = lake
+            .plan_appended_since(LakeTable::Events, Some(caught_up))
+            .await
+            .unwrap();
+        assert_eq!(plan.snapshots.len(), 2, "{}", b.name);
+        assert_eq!(
+            plan.tasks
+                .iter()
+                .map(|t| t.record_count.unwrap_or(0))
+                .sum::<u64>(),
+            10,
+            "{}",
+            b.name
+        );
         // The record names the erasure, not the subject.
         let pool = lake.control_pool();
         let rows: Vec<(String, String)> =
@@ -1196,6 +1234,26 @@ async fn snapshots_and_time_travel() {
                 .await
                 .is_err()
         );
+        // The moment of the expired snapshot: the table held 100 rows then, so it says it
+        // no longer knows, rather than answer 0. Before the table's first commit, it was
+        // empty, and that it still knows.
+        let err = lake
+            .snapshot_as_of(LakeTable::Events, between)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), signalweave_model::ErrorKind::NotFound, "{err}");
+        let ctx = lake
+            .session_context_as_of(AsOf::Timestamp(between))
+            .await
+            .unwrap();
+        let read = async {
+            ctx.sql("select count(*) from signalweave.events")
+                .await?
+                .collect()
+                .await
+        };
+        let err = read.await.unwrap_err().to_string();
+        assert!(err.contains("no longer retains"), "{err}");
         assert_eq!(
             count(&lake, "select count(*) from signalweave.events").await,
             300

@@ -793,8 +793,9 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         &format!(
             "CREATE TABLE audit_status AS SELECT coalesce(o.key, r.key) AS key, coalesce(o.ws, r.ws) AS ws, \
              coalesce(o.we, r.we) AS we, o.output_version, o.completeness, {pairs}, \
-             CASE WHEN o.key IS NOT NULL AND r.key IS NOT NULL AND {same} THEN 'matched' \
-                  WHEN o.completeness = 'partial' OR coalesce(o.we, r.we) > {open_after} THEN 'pending' \
+             CASE WHEN o.completeness IN ('partial', 'provisional') \
+                       OR coalesce(o.we, r.we) > {open_after} THEN 'pending' \
+                  WHEN o.key IS NOT NULL AND r.key IS NOT NULL AND {same} THEN 'matched' \
                   WHEN o.key IS NULL THEN 'missing' \
                   WHEN r.key IS NULL THEN 'extra' \
                   ELSE 'mismatched' END AS status \

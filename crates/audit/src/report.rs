@@ -45,7 +45,9 @@ pub fn write_reports(report: &Report, dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 fn verdict(r: &Report) -> &'static str {
-    if r.matches {
+    if r.matches && r.windows.matched == 0 {
+        "NOTHING FINAL: no window of the range is final yet, so none was compared; every event is accounted for"
+    } else if r.matches {
         "MATCH: the outputs equal the oracle and every event is accounted for"
     } else {
         "MISMATCH: see the findings"

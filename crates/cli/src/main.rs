@@ -681,10 +681,25 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 (None, Some(id)) => lake.session_context_as_of(AsOf::Snapshot(*id)).await?,
                 (None, None) => lake.session_context().await?,
             };
-            let df = ctx
-                .sql(query)
-                .await
-                .map_err(|e| LakeError::datafusion("plan query", e))?;
+            // `sql` reads the lake: statements that would write files (COPY), create or
+            // drop objects, or change the session are refused before they run. (A COPY
+            // into a data file's path would overwrite committed data.)
+            let read_only = datafusion::execution::context::SQLOptions::new()
+                .with_allow_ddl(false)
+                .with_allow_dml(false)
+                .with_allow_statements(false);
+            let df = ctx.sql_with_options(query, read_only).await.map_err(|e| {
+                let refused = matches!(
+                    e.find_root(),
+                    datafusion::error::DataFusionError::Plan(m) if m.contains("not supported")
+                );
+                let context = if refused {
+                    "plan query (`sql` only reads the lake: SELECT, WITH, EXPLAIN)"
+                } else {
+                    "plan query"
+                };
+                LakeError::datafusion(context, e)
+            })?;
             let batches = df
                 .collect()
                 .await

@@ -1050,15 +1050,42 @@ impl Lake {
         Ok(out)
     }
 
-    /// The snapshot of `table` that was current at `timestamp_ms`, if any.
+    /// The snapshot of `table` that was current at `timestamp_ms`; None when the table
+    /// had none yet. Fails (`NotFound`) when the snapshot current then has been expired:
+    /// the table held data at that time that it no longer retains, and an empty answer
+    /// would be a wrong one.
     pub async fn snapshot_as_of(&self, table: LakeTable, timestamp_ms: i64) -> Result<Option<i64>> {
         let t = self.table(table).await?;
-        Ok(t.metadata()
+        let meta = t.metadata();
+        let then = meta
             .history()
             .iter()
             .filter(|entry| entry.timestamp_ms <= timestamp_ms)
             .max_by_key(|entry| entry.timestamp_ms)
-            .map(|entry| entry.snapshot_id))
+            .map(|entry| entry.snapshot_id);
+        let oldest = meta.snapshots().min_by_key(|s| s.sequence_number());
+        let expired = match then {
+            Some(id) => meta.snapshot_by_id(id).is_none(),
+            // Before the first entry kept: the table was empty then only if its oldest
+            // retained snapshot is its first.
+            None => oldest.is_some_and(|s| s.parent_snapshot_id().is_some()),
+        };
+        if expired {
+            let since = oldest.map_or_else(
+                || "none".to_string(),
+                |s| signalweave_model::format_rfc3339_micros(s.timestamp_ms().saturating_mul(1000)),
+            );
+            return Err(LakeError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "`{}` no longer retains its snapshot of {}: its history starts at {since} \
+                     (older snapshots expired)",
+                    table.name(),
+                    signalweave_model::format_rfc3339_micros(timestamp_ms.saturating_mul(1000))
+                ),
+            ));
+        }
+        Ok(then)
     }
 
     /// Plans a scan of `table` for `from_us <= time column < to_us` (microseconds),
@@ -1412,8 +1439,10 @@ impl Lake {
 }
 
 /// The snapshots of `metadata` after `after` (exclusive; None: every ancestor) up to the
-/// current one, oldest first. `NotFound` when `after` is not an ancestor of the current
-/// snapshot (an expired position).
+/// current one, oldest first. `after` may itself be expired, as long as the snapshot that
+/// followed it is retained: an erasure expires every snapshot before its own, and a reader
+/// caught up at the erasure's parent continues from the erasure. `NotFound` when the
+/// snapshots after `after` are gone too (a position expired before it was read past).
 fn snapshots_after(
     metadata: &iceberg::spec::TableMetadata,
     table: LakeTable,
@@ -1427,16 +1456,22 @@ fn snapshots_after(
             reached = true;
             break;
         }
-        cursor = s
-            .parent_snapshot_id()
-            .and_then(|p| metadata.snapshot_by_id(p).cloned());
+        let parent = s.parent_snapshot_id();
+        cursor = parent.and_then(|p| metadata.snapshot_by_id(p).cloned());
         chain.push(s);
+        if after.is_some() && parent == after {
+            // `after` is expired, but its child is here: nothing between is lost.
+            reached = true;
+            break;
+        }
     }
     if !reached {
         return Err(LakeError::new(
             ErrorKind::NotFound,
             format!(
-                "position {} is not an ancestor of the current snapshot of {} (expired?)",
+                "position {} of {} was expired before it was read past: the snapshots \
+                 that followed it are gone too, so what they added cannot be told apart \
+                 (recompute the range with a backfill and start the reader afresh)",
                 after.unwrap_or_default(),
                 table.name()
             ),

@@ -32,6 +32,9 @@ pub enum SnapshotChoice {
     At(i64),
     /// Nothing: the table had no snapshot at the requested moment.
     Empty,
+    /// The snapshot current at this moment (ms) has been expired: a scan fails, since an
+    /// empty answer would be a wrong one.
+    Expired(i64),
 }
 
 /// The column [`LakeTableProvider::with_commit_sequence`] adds: the sequence number of
@@ -217,6 +220,13 @@ impl TableProvider for LakeTableProvider {
         };
         let snapshot = match self.snapshot {
             SnapshotChoice::Empty => return empty(),
+            SnapshotChoice::Expired(ms) => {
+                return Err(datafusion::error::DataFusionError::Plan(format!(
+                    "`{}` no longer retains its snapshot of {} (older snapshots expired)",
+                    self.table.name(),
+                    signalweave_model::format_rfc3339_micros(ms.saturating_mul(1000))
+                )));
+            }
             SnapshotChoice::Current => None,
             SnapshotChoice::At(id) => Some(id),
         };

@@ -59,9 +59,13 @@ impl Lake {
         let mut pinned_any = false;
         for table in self.all_tables().await? {
             let choice = match as_of {
-                AsOf::Timestamp(ms) => match self.snapshot_as_of(table, ms).await? {
-                    Some(id) => SnapshotChoice::At(id),
-                    None => SnapshotChoice::Empty,
+                // A table whose snapshot of that moment is expired fails when read, not
+                // when another table is.
+                AsOf::Timestamp(ms) => match self.snapshot_as_of(table, ms).await {
+                    Ok(Some(id)) => SnapshotChoice::At(id),
+                    Ok(None) => SnapshotChoice::Empty,
+                    Err(e) if e.kind() == ErrorKind::NotFound => SnapshotChoice::Expired(ms),
+                    Err(e) => return Err(e),
                 },
                 AsOf::Snapshot(id) => {
                     let t = self.table(table).await?;
