@@ -200,6 +200,7 @@ fn bad_input_exits_classified() {
     let missing = sw(&lake, &["load", "/nonexistent/file.ndjson"]);
     assert_eq!(missing.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+    assert_eq!(sw(&lake, &["lake", "init"]).status.code(), Some(0));
     let bad_sql = sw(&lake, &["sql", "selec nonsense"]);
     assert_eq!(
         bad_sql.status.code(),
@@ -209,6 +210,12 @@ fn bad_input_exits_classified() {
     );
     let no_table = sw(&lake, &["lake", "snapshots", "orders"]);
     assert_eq!(no_table.status.code(), Some(2));
+    // Reading a lake that is not there is an error, and makes no lake.
+    let typo = dir.path().join("lake_typo");
+    let out = sw(&typo, &["sql", "select count(*) from signalweave.events"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no lake at"));
+    assert!(!typo.exists());
     // A user's SQL naming what is not there is bad input, said once.
     assert_eq!(sw(&lake, &["lake", "init"]).status.code(), Some(0));
     // `sql` only reads: writing files, DDL and session statements are refused before

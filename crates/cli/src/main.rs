@@ -204,7 +204,8 @@ enum LakeCommand {
         /// One table (default: all).
         #[arg(long)]
         table: Option<String>,
-        /// Keep at least this many snapshots, overriding the table property.
+        /// Keep at least this many snapshots, overriding the table property (its age rule
+        /// still applies unless `--older-than-secs` is given too).
         #[arg(long)]
         retain_last: Option<usize>,
         /// Expire snapshots older than this many seconds, overriding the table property.
@@ -296,6 +297,23 @@ async fn open_lake(cli: &Cli) -> Result<Lake> {
     Ok(lake)
 }
 
+/// [`open_lake`] for commands that only read: an embedded lake that does not exist is an
+/// error, not a new empty lake whose tables answer zero (a mistyped `--lake`, or another
+/// working directory than the lake's).
+async fn open_existing_lake(cli: &Cli) -> Result<Lake> {
+    let is_profile = cli.lake.extension().is_some_and(|e| e == "toml");
+    if !is_profile && !cli.lake.join("catalog.db").exists() {
+        return Err(anyhow::Error::new(LakeError::new(
+            signalweave_model::ErrorKind::NotFound,
+            format!(
+                "no lake at {}: `signalweave lake init` makes one there, or pass --lake",
+                cli.lake.display()
+            ),
+        )));
+    }
+    open_lake(cli).await
+}
+
 /// The event types of `--schemas`.
 fn registry(cli: &Cli) -> Result<SchemaRegistry> {
     SchemaRegistry::load_dir(&cli.schemas)
@@ -328,7 +346,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             )?;
         }
         Command::Lake(LakeCommand::Tables { format }) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let mut rows = Vec::new();
             for table in LakeTable::ALL.into_iter().chain(LakeTable::outputs()) {
                 let snaps = lake.snapshots(table).await?;
@@ -375,12 +393,15 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let tables = tables_arg(table.as_deref())?;
             for t in tables {
                 let before = lake.snapshots(t).await?.len();
-                let retention = (retain_last.is_some() || max_age_ms.is_some()).then(|| {
+                // `--retain-last` alone keeps the table's age rule; `--older-than-secs`
+                // alone keeps the newest snapshot at least (as Iceberg's procedure does).
+                let own = lake.retention_of(t).await?;
+                let retention = (retain_last.is_some() || max_age_ms.is_some()).then_some(
                     signalweave_lake::Retention {
                         keep_last: retain_last.unwrap_or(1),
-                        max_age_ms: max_age_ms.unwrap_or(i64::MAX),
-                    }
-                });
+                        max_age_ms: max_age_ms.unwrap_or(own.max_age_ms),
+                    },
+                );
                 let policy = signalweave_lake::MaintenancePolicy {
                     min_manifests_to_merge: usize::MAX,
                     retention,
@@ -624,7 +645,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             )?;
         }
         Command::Lake(LakeCommand::Snapshots { table, format }) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let table = LakeTable::from_name(table)?;
             let rows = lake
                 .snapshots(table)
@@ -670,7 +691,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             as_of,
             snapshot,
         } => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let ctx = match (as_of, snapshot) {
                 (Some(t), _) => {
                     let at = chrono::DateTime::parse_from_rfc3339(t)

@@ -275,6 +275,30 @@ struct Reachable {
 }
 
 impl Lake {
+    /// The retention rule `table` keeps by its properties (or the defaults):
+    /// `history.expire.min-snapshots-to-keep` and `history.expire.max-snapshot-age-ms`.
+    pub async fn retention_of(&self, table: LakeTable) -> Result<Retention> {
+        let t = self.table(table).await?;
+        let prop = |k: &str, d: i64| {
+            t.metadata()
+                .properties()
+                .get(k)
+                .and_then(|v| v.parse::<i64>().ok())
+                .unwrap_or(d)
+        };
+        Ok(Retention {
+            keep_last: prop(
+                "history.expire.min-snapshots-to-keep",
+                crate::layout::DEFAULT_MIN_SNAPSHOTS_TO_KEEP as i64,
+            )
+            .max(1) as usize,
+            max_age_ms: prop(
+                "history.expire.max-snapshot-age-ms",
+                crate::layout::DEFAULT_MAX_SNAPSHOT_AGE_MS,
+            ),
+        })
+    }
+
     /// Makes `new_md` the current metadata of `table` if `base` is still current: writes
     /// the next metadata file, then compare-and-sets the catalog row. `Conflict` when
     /// another writer committed first (the written file is removed again).
