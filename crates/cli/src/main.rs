@@ -938,6 +938,20 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
+        // The reader of our output went away (`sql … | head`): nothing to say to it.
+        Err(err)
+            if err.chain().any(|e| {
+                e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+                    || e.downcast_ref::<arrow::error::ArrowError>()
+                        .is_some_and(|a| {
+                            matches!(a, arrow::error::ArrowError::IoError(_, io)
+                            if io.kind() == std::io::ErrorKind::BrokenPipe)
+                        })
+            }) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(err) => {
             eprintln!("error: {}", error_text(&err));
             ExitCode::from(exit_code(&err))

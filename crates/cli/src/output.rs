@@ -87,7 +87,10 @@ pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
             }
         }
         Format::Json => {
-            let mut w = arrow::json::ArrayWriter::new(std::io::stdout());
+            // Nulls are written as such: a key left out reads as a missing column.
+            let mut w = arrow::json::WriterBuilder::new()
+                .with_explicit_nulls(true)
+                .build::<_, arrow::json::writer::JsonArray>(std::io::stdout());
             let refs: Vec<&RecordBatch> = batches.iter().collect();
             w.write_batches(&refs)?;
             w.finish()?;
