@@ -236,6 +236,28 @@ fn bad_input_exits_classified() {
         assert!(stderr.contains("only reads the lake"), "{query}: {stderr}");
     }
     assert!(!target.exists());
+    // A reader that goes away (`sql … | head`) ends the command quietly, exit 0.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_signalweave"))
+        .arg("--lake")
+        .arg(&lake)
+        .args([
+            "sql",
+            "select value from generate_series(1, 300000)",
+            "--format",
+            "csv",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for query in [
         "select nosuchcol from signalweave.events",
         "select * from signalweave.nosuchtable",

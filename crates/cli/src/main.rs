@@ -941,13 +941,8 @@ fn main() -> ExitCode {
         // The reader of our output went away (`sql … | head`): nothing to say to it.
         Err(err)
             if err.chain().any(|e| {
-                e.downcast_ref::<std::io::Error>()
-                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-                    || e.downcast_ref::<arrow::error::ArrowError>()
-                        .is_some_and(|a| {
-                            matches!(a, arrow::error::ArrowError::IoError(_, io)
-                            if io.kind() == std::io::ErrorKind::BrokenPipe)
-                        })
+                e.downcast_ref::<output::OutputError>()
+                    .is_some_and(output::OutputError::closed)
             }) =>
         {
             ExitCode::SUCCESS

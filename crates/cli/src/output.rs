@@ -11,8 +11,33 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($arg)*)
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err($crate::output::OutputError)
     }};
+}
+
+/// A write to standard output failed: for a closed pipe (`… | head`), its reader went
+/// away, and the command ends quietly (see `main`). Only output writes are wrapped in it,
+/// so a broken connection to a store is never taken for one.
+#[derive(Debug)]
+pub struct OutputError(pub std::io::Error);
+
+impl std::fmt::Display for OutputError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "writing the output: {}", self.0)
+    }
+}
+
+impl std::error::Error for OutputError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+impl OutputError {
+    /// Whether the reader of the output went away.
+    pub fn closed(&self) -> bool {
+        self.0.kind() == std::io::ErrorKind::BrokenPipe
+    }
 }
 
 /// Output format of a data-printing command.
@@ -78,23 +103,32 @@ pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
         Format::Table => {
             outln!("{}", arrow::util::pretty::pretty_format_batches(batches)?)?;
         }
+        // Each batch is encoded into a buffer, then written: a closed stdout is then an
+        // `io::Error` of its own kind (the CSV writer reports it as text).
         Format::Csv => {
-            let mut w = arrow::csv::WriterBuilder::new()
-                .with_header(true)
-                .build(std::io::stdout());
-            for b in batches {
+            let mut stdout = std::io::stdout().lock();
+            for (i, b) in batches.iter().enumerate() {
+                let mut w = arrow::csv::WriterBuilder::new()
+                    .with_header(i == 0)
+                    .build(Vec::new());
                 w.write(b)?;
+                stdout.write_all(&w.into_inner()).map_err(OutputError)?;
             }
         }
         Format::Json => {
             // Nulls are written as such: a key left out reads as a missing column.
             let mut w = arrow::json::WriterBuilder::new()
                 .with_explicit_nulls(true)
-                .build::<_, arrow::json::writer::JsonArray>(std::io::stdout());
+                .build::<_, arrow::json::writer::JsonArray>(Vec::new());
             let refs: Vec<&RecordBatch> = batches.iter().collect();
             w.write_batches(&refs)?;
             w.finish()?;
-            std::io::stdout().lock().write_all(b"\n")?;
+            let mut text = w.into_inner();
+            text.push(b'\n');
+            std::io::stdout()
+                .lock()
+                .write_all(&text)
+                .map_err(OutputError)?;
         }
     }
     Ok(())

@@ -269,9 +269,12 @@ impl Committer {
         let mut backoff = Duration::from_millis(100);
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         loop {
+            // Once the stop began, what is admitted is committed at once: the drain
+            // deadline runs.
+            let hurry = closed || drain_deadline.is_some();
             if in_flight.is_none()
                 && retry_at.is_none()
-                && (self.committing.is_some() || self.open_due(closed))
+                && (self.committing.is_some() || self.open_due(hurry))
             {
                 in_flight = Some(self.start_commit());
             }

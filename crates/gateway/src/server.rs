@@ -43,7 +43,7 @@ pub const MAX_EVENT_AGE_HEADER: &str = "signalweave-max-event-age";
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long after the drain timeout a stopping gateway waits for its connections to close
-/// (their requests are answered by then) before it closes them.
+/// (their requests are answered by then) before it stops waiting for them.
 pub const HTTP_GRACE: Duration = Duration::from_secs(5);
 
 struct AppState {
@@ -262,8 +262,10 @@ impl Gateway {
     /// left, and returns what the committer did.
     ///
     /// The stop is bounded. Requests still waiting on a commit the drain timeout
-    /// (`commit.drain_timeout`) after `shutdown` are answered 503 and their events abandoned (the report counts
-    /// them); connections still open [`HTTP_GRACE`] after that are closed.
+    /// (`commit.drain_timeout`) after `shutdown` are answered 503 and their events
+    /// abandoned (the report counts them); connections still open [`HTTP_GRACE`] after
+    /// that are no longer waited for (each ends with its request: the body timeout bounds
+    /// a stalled one).
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
@@ -290,7 +292,7 @@ impl Gateway {
                 tokio::time::sleep(limit).await;
             } => {
                 tracing::warn!(
-                    "connections still open {} s after the stop began: closed",
+                    "connections still open {} s after the stop began: no longer waited for",
                     limit.as_secs()
                 );
                 None
