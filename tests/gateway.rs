@@ -156,6 +156,17 @@ async fn landed(lake_config: &LakeConfig) -> HashMap<(String, String), usize> {
 }
 
 async fn rejection_reasons(lake_config: &LakeConfig) -> Vec<String> {
+    let mut out: Vec<String> = rejection_rows(lake_config, &["reason_code"])
+        .await
+        .into_iter()
+        .filter_map(|mut row| row.remove(0))
+        .collect();
+    out.sort();
+    out
+}
+
+/// `columns` of every row of the rejections table (a null as None), in the table's order.
+async fn rejection_rows(lake_config: &LakeConfig, columns: &[&str]) -> Vec<Vec<Option<String>>> {
     let lake = Lake::open(lake_config.clone()).await.unwrap();
     let plan = lake
         .plan_time_range(LakeTable::Rejections, i64::MIN, i64::MAX, None)
@@ -164,17 +175,23 @@ async fn rejection_reasons(lake_config: &LakeConfig) -> Vec<String> {
     if plan.tasks.is_empty() {
         return Vec::new();
     }
-    let batches = lake
+    let mut rows = Vec::new();
+    for b in lake
         .read_all(LakeTable::Rejections, plan.tasks)
         .await
-        .unwrap();
-    let mut out = Vec::new();
-    for b in batches {
-        let r = arrow::array::AsArray::as_string::<i32>(b.column_by_name("reason_code").unwrap());
-        out.extend((0..b.num_rows()).map(|i| r.value(i).to_string()));
+        .unwrap()
+    {
+        let cols: Vec<_> = columns
+            .iter()
+            .map(|c| arrow::array::AsArray::as_string::<i32>(b.column_by_name(c).unwrap()))
+            .collect();
+        rows.extend((0..b.num_rows()).map(|i| {
+            cols.iter()
+                .map(|c| (!arrow::array::Array::is_null(c, i)).then(|| c.value(i).to_string()))
+                .collect()
+        }));
     }
-    out.sort();
-    out
+    rows
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -749,27 +766,12 @@ async fn refusals_are_filed_under_the_authenticated_tenant() {
     let a = post_raw(&gw.url, Some(T0), Some("text/plain"), None, b"x".to_vec()).await;
     assert_eq!(a.status, 415, "{}", a.body);
     gw.stop().await;
-    let lake = Lake::open(backend.config.clone()).await.unwrap();
-    let plan = lake
-        .plan_time_range(LakeTable::Rejections, i64::MIN, i64::MAX, None)
-        .await
-        .unwrap();
-    let mut rows = Vec::new();
-    for b in lake
-        .read_all(LakeTable::Rejections, plan.tasks)
-        .await
-        .unwrap()
-    {
-        let reason =
-            arrow::array::AsArray::as_string::<i32>(b.column_by_name("reason_code").unwrap());
-        let tenant = arrow::array::AsArray::as_string::<i32>(b.column_by_name("tenant").unwrap());
-        rows.extend((0..b.num_rows()).map(|i| {
-            (
-                reason.value(i).to_string(),
-                (!arrow::array::Array::is_null(tenant, i)).then(|| tenant.value(i).to_string()),
-            )
-        }));
-    }
+    let mut rows: Vec<(String, Option<String>)> =
+        rejection_rows(&backend.config, &["reason_code", "tenant"])
+            .await
+            .into_iter()
+            .map(|row| (row[0].clone().unwrap_or_default(), row[1].clone()))
+            .collect();
     rows.sort();
     assert_eq!(
         rows,
@@ -820,20 +822,11 @@ async fn refusals_without_a_valid_key_are_recorded_within_a_budget() {
         "{unrecorded} of 400, budget {budget}"
     );
     gw.stop().await;
-    let lake = Lake::open(backend.config.clone()).await.unwrap();
-    let plan = lake
-        .plan_time_range(LakeTable::Rejections, i64::MIN, i64::MAX, None)
+    let details: Vec<String> = rejection_rows(&backend.config, &["detail"])
         .await
-        .unwrap();
-    let mut details = Vec::new();
-    for b in lake
-        .read_all(LakeTable::Rejections, plan.tasks)
-        .await
-        .unwrap()
-    {
-        let d = arrow::array::AsArray::as_string::<i32>(b.column_by_name("detail").unwrap());
-        details.extend((0..b.num_rows()).map(|i| d.value(i).to_string()));
-    }
+        .into_iter()
+        .map(|mut row| row.remove(0).unwrap_or_default())
+        .collect();
     assert!(
         details.len() >= 100 && details.len() as f64 <= budget,
         "{} rows recorded, budget {budget}",

@@ -1359,19 +1359,14 @@ async fn background(
     m.rate_limit
         .get_or_create(&labels)
         .set(rate_gauge(controller.rate()));
-    let mut first = true;
+    // The first reading at once: the run waits on it.
+    let mut pause = Duration::ZERO;
     loop {
-        // The first reading at once: the run waits on it.
-        let pause = if first {
-            Duration::ZERO
-        } else {
-            options.probe_every
-        };
-        first = false;
         tokio::select! {
             _ = stop.changed() => return,
             _ = tokio::time::sleep(pause) => {}
         }
+        pause = options.probe_every;
         let reading = tokio::time::timeout(Duration::from_secs(1), (options.probe)())
             .await
             .ok()
@@ -1646,21 +1641,10 @@ impl Running {
             else {
                 return Ok(Some(out));
             };
-            let before = match self.record.snapshot_id {
-                None => Vec::new(),
-                Some(_) => {
-                    self.lake
-                        .plan_time_range_of(
-                            LakeTable::Events,
-                            unproven.saturating_sub(gap),
-                            read_from,
-                            self.record.snapshot_id,
-                            None,
-                        )
-                        .await?
-                        .tasks
-                }
-            };
+            let before = self
+                .plan_events(unproven.saturating_sub(gap), read_from, None)
+                .await?
+                .tasks;
             if before.is_empty() {
                 return Ok(Some(out));
             }
@@ -1677,6 +1661,34 @@ impl Running {
             );
             read_from = next;
         }
+    }
+
+    /// The landing table's files with events in `[from, to)` of the pinned snapshot, read
+    /// for `columns` (all when None).
+    async fn plan_events(
+        &self,
+        from: i64,
+        to: i64,
+        columns: Option<&[String]>,
+    ) -> Result<signalweave_lake::ScanPlan> {
+        // A backfill planned on an empty landing table has no input.
+        if self.record.snapshot_id.is_none() {
+            return Ok(signalweave_lake::ScanPlan {
+                snapshot_id: None,
+                tasks: Vec::new(),
+                total_files: 0,
+            });
+        }
+        Ok(self
+            .lake
+            .plan_time_range_of(
+                LakeTable::Events,
+                from,
+                to,
+                self.record.snapshot_id,
+                columns,
+            )
+            .await?)
     }
 
     /// [`Self::process`], reading events from `read_from`.
@@ -1699,24 +1711,7 @@ impl Running {
         let columns = source_columns(&self.spec);
         let plan = |from: i64, to: i64| {
             let columns = &columns;
-            async move {
-                Ok::<_, RunnerError>(match self.record.snapshot_id {
-                    // A backfill planned on an empty landing table has no input.
-                    None => Vec::new(),
-                    Some(_) => {
-                        self.lake
-                            .plan_time_range_of(
-                                LakeTable::Events,
-                                from,
-                                to,
-                                self.record.snapshot_id,
-                                Some(columns),
-                            )
-                            .await?
-                            .tasks
-                    }
-                })
-            }
+            async move { Ok::<_, RunnerError>(self.plan_events(from, to, Some(columns)).await?.tasks) }
         };
         let main = plan(read_from, sub.to_us).await?;
         // Earlier copies of the sub-range's records may have other event times (or keys
