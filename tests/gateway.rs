@@ -9,7 +9,7 @@ mod support;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
@@ -66,15 +66,19 @@ async fn start(config: GatewayConfig, lake_config: &LakeConfig) -> Running {
     }
 }
 
-fn now_rfc3339() -> String {
-    format_rfc3339_micros(chrono::Utc::now().timestamp_micros())
+/// One event time for every event of the test binary: a retry resends its event as it
+/// was, so the helpers make the same event for the same id.
+fn event_time() -> &'static str {
+    static AT: LazyLock<String> =
+        LazyLock::new(|| format_rfc3339_micros(chrono::Utc::now().timestamp_micros()));
+    &AT
 }
 
 fn event(id: &str, tenant: &str, producer: &str) -> Value {
     json!({
         "event_id": id, "event_type": "order_placed", "schema_version": "1.1.0",
         "tenant": tenant, "producer_id": producer, "producer_seq": 1,
-        "event_time": now_rfc3339(), "order_id": format!("o-{id}"), "customer_id": "c-1",
+        "event_time": event_time(), "order_id": format!("o-{id}"), "customer_id": "c-1",
         "market_id": "m-1", "payload": {"amount_minor": 1250, "currency": "EUR"}
     })
 }
@@ -283,6 +287,90 @@ async fn an_acknowledgment_means_committed_and_retries_are_duplicates_across_a_r
     let got = landed(&backend.config).await;
     assert_eq!(got.len(), 5);
     assert!(got.values().all(|n| *n == 1), "{got:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_event_under_an_accepted_identity_is_refused_as_a_conflict_across_a_restart() {
+    let backend = support::embedded();
+    let gw = start(dev_config(), &backend.config).await;
+    let original = event("c-1", "tenant-0", "p-1");
+    let a = post(&gw.url, T0, std::slice::from_ref(&original)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+
+    // The same identity with another amount: refused, with the reason and evidence.
+    let mut changed = original.clone();
+    changed["payload"]["amount_minor"] = json!(999);
+    let b = post(&gw.url, T0, std::slice::from_ref(&changed)).await;
+    assert_eq!(b.status, 409, "{}", b.body);
+    assert_eq!(b.body["rejected"], 1, "{}", b.body);
+    assert_eq!(b.body["results"][0]["reason"], "identity_conflict");
+    assert!(
+        b.body["results"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("`c-1`"),
+        "{}",
+        b.body
+    );
+    // A true retry (the producer may number it anew) is still a duplicate.
+    let mut retry = original.clone();
+    retry["producer_seq"] = json!(42);
+    let c = post(&gw.url, T0, &[retry.clone()]).await;
+    assert_eq!(
+        (c.status, c.body["duplicate"].as_u64()),
+        (200, Some(1)),
+        "{}",
+        c.body
+    );
+
+    // Inside one request: the first lands, its changed twin is refused, others pass.
+    let first = event("c-2", "tenant-0", "p-1");
+    let mut twin = first.clone();
+    twin["market_id"] = json!("m-9");
+    let d = post(&gw.url, T0, &[first, twin, event("c-3", "tenant-0", "p-1")]).await;
+    assert_eq!(d.status, 207, "{}", d.body);
+    let statuses: Vec<&str> = d.body["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["accepted", "rejected", "accepted"], "{}", d.body);
+    assert_eq!(
+        (d.body["accepted"].as_u64(), d.body["rejected"].as_u64()),
+        (Some(2), Some(1))
+    );
+    gw.stop().await;
+
+    // The index is rebuilt with what each identity's event said.
+    let gw = start(dev_config(), &backend.config).await;
+    let e = post(&gw.url, T0, &[changed.clone(), retry]).await;
+    assert_eq!(e.status, 207, "{}", e.body);
+    assert_eq!(
+        e.body["results"][0]["reason"], "identity_conflict",
+        "{}",
+        e.body
+    );
+    assert_eq!(e.body["results"][1]["status"], "duplicate", "{}", e.body);
+    gw.stop().await;
+
+    let got = landed(&backend.config).await;
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert!(got.values().all(|n| *n == 1), "{got:?}");
+    let conflicts: Vec<_> = rejection_rows(&backend.config, &["reason_code", "tenant", "event_id"])
+        .await
+        .into_iter()
+        .filter(|r| r[0].as_deref() == Some("identity_conflict"))
+        .collect();
+    assert_eq!(conflicts.len(), 3, "{conflicts:?}");
+    assert!(
+        conflicts
+            .iter()
+            .all(|r| r[1].as_deref() == Some("tenant-0"))
+    );
+    let mut ids: Vec<_> = conflicts.iter().filter_map(|r| r[2].as_deref()).collect();
+    ids.sort();
+    assert_eq!(ids, ["c-1", "c-1", "c-2"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1262,6 +1262,55 @@ async fn snapshots_and_time_travel() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_refuses_a_reused_event_id_with_other_content() {
+    let registry = SchemaRegistry::load_dir(support::repo().join("catalog/events")).unwrap();
+    let validator = EventValidator::new(Arc::new(registry), ValidationLimits::default());
+    let b = support::embedded();
+    let lake = open(&b).await;
+    let line = |id: &str, amount: i64| {
+        serde_json::json!({
+            "event_id": id, "event_type": "order_placed", "schema_version": "1.1.0",
+            "tenant": "acme", "producer_id": "shop-1", "producer_seq": 1,
+            "event_time": "2026-01-01T00:00:00Z", "order_id": "o-1", "customer_id": "c-1",
+            "market_id": "m-1", "payload": {"amount_minor": amount, "currency": "EUR"}
+        })
+        .to_string()
+    };
+    let input = b.dir.path().join("input.ndjson");
+    let text = [
+        line("e-1", 100),
+        line("e-1", 100),
+        line("e-1", 250),
+        line("e-2", 5),
+    ]
+    .join("\n");
+    std::fs::write(&input, text).unwrap();
+    let options = LoadOptions {
+        now_us: Some(signalweave_fixtures::DEFAULT_START_US + DAY_US),
+        source_name: "test".into(),
+        ..Default::default()
+    };
+    let report = lake.load_file(&input, &validator, &options).await.unwrap();
+    assert_eq!(
+        (report.accepted, report.duplicates, report.rejected),
+        (2, 1, 1)
+    );
+    assert_eq!(
+        count(&lake, "select sum(amount_minor) from signalweave.events").await,
+        105
+    );
+    assert_eq!(
+        count(
+            &lake,
+            "select count(*) from signalweave.rejections \
+             where reason_code = 'identity_conflict' and event_id = 'e-1' and record_position = 3"
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_lands_valid_records_and_evidences_rejections() {
     let registry = SchemaRegistry::load_dir(support::repo().join("catalog/events")).unwrap();
     let validator = EventValidator::new(Arc::new(registry), ValidationLimits::default());
@@ -1421,9 +1470,14 @@ async fn the_duplicate_index_is_rebuilt_by_ingest_time_without_snapshot_history(
             .unwrap();
         assert_eq!(index.len(), 600, "{}", b.name);
         for (i, e) in all.iter().enumerate() {
-            let seen = index.check(identity(e.tenant.as_str(), e.event_id.as_str()));
+            let id = identity(e.tenant.as_str(), e.event_id.as_str());
+            let seen = index.check(id, e.content_digest());
             let want = if i < 300 { Seen::New } else { Seen::Committed };
             assert_eq!(seen, want, "{}: event {i}", b.name);
+            if i >= 300 {
+                // What each event said was rebuilt too.
+                assert_eq!(index.check(id, !e.content_digest()), Seen::Conflict);
+            }
         }
     }
 }

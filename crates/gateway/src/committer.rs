@@ -96,8 +96,19 @@ pub struct Submission {
 pub struct Ack {
     /// The snapshot that holds the request's events (or their earlier twins).
     pub snapshot_id: Option<i64>,
-    /// Per event of the submission: true when it was a duplicate.
-    pub duplicate: Vec<bool>,
+    /// Per event of the submission, in order: what became of it.
+    pub outcome: Vec<Outcome>,
+}
+
+/// What the committer did with one valid event of a submission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Landed by this submission's commit.
+    Accepted,
+    /// A retry of an event accepted within the horizon: landed once, by its original.
+    Duplicate,
+    /// Another event under the identity of one accepted within the horizon: not landed.
+    Conflict,
 }
 
 /// Where the gateway is in its life, as its committer is told.
@@ -119,7 +130,7 @@ pub struct Unavailable(pub String);
 
 struct Waiter {
     reply: oneshot::Sender<Result<Ack, Unavailable>>,
-    duplicate: Vec<bool>,
+    outcome: Vec<Outcome>,
 }
 
 struct Group {
@@ -394,39 +405,46 @@ impl Committer {
             ));
             let _ = sub.reply.send(Ok(Ack {
                 snapshot_id: None,
-                duplicate: Vec::new(),
+                outcome: Vec::new(),
             }));
             return;
         }
-        let mut duplicate = Vec::with_capacity(sub.events.len());
+        let mut outcome = Vec::with_capacity(sub.events.len());
+        let mut duplicates = 0u64;
         let mut wait_for: u64 = 0;
         let mut added = 0usize;
         for event in &sub.events {
             let id = identity(event.tenant.as_str(), event.event_id.as_str());
-            match self.dedup.check(id) {
+            let content = event.content_digest();
+            match self.dedup.check(id, content) {
                 Seen::New => {
                     self.open.builder.push(event);
                     self.open.ids.push(id);
                     self.open.ingest.push(event.ingest_time_us);
-                    self.dedup.hold(id, self.open.id);
+                    self.dedup.hold(id, self.open.id, content);
                     wait_for = wait_for.max(self.open.id);
-                    duplicate.push(false);
+                    outcome.push(Outcome::Accepted);
                     added += 1;
                 }
                 Seen::InFlight(group) => {
                     wait_for = wait_for.max(group);
-                    duplicate.push(true);
+                    outcome.push(Outcome::Duplicate);
+                    duplicates += 1;
                 }
-                Seen::Committed => duplicate.push(true),
+                Seen::Committed => {
+                    outcome.push(Outcome::Duplicate);
+                    duplicates += 1;
+                }
+                Seen::Conflict => outcome.push(Outcome::Conflict),
             }
         }
         self.metrics
             .events
             .get_or_create(&[("outcome", "duplicate")])
-            .inc_by((sub.events.len() - added) as u64);
+            .inc_by(duplicates);
         let waiter = Waiter {
             reply: sub.reply,
-            duplicate,
+            outcome,
         };
         if self.open.builder.len() >= ENCODE_CHUNK_ROWS {
             self.encode_chunk().await;
@@ -450,7 +468,7 @@ impl Committer {
         if wait_for == 0 {
             let _ = waiter.reply.send(Ok(Ack {
                 snapshot_id: None,
-                duplicate: waiter.duplicate,
+                outcome: waiter.outcome,
             }));
         } else if wait_for == self.open.id {
             self.open.waiters.push(waiter);
@@ -461,7 +479,7 @@ impl Committer {
             // case the identity was released and `check` would not have said InFlight).
             let _ = waiter.reply.send(Ok(Ack {
                 snapshot_id: None,
-                duplicate: waiter.duplicate,
+                outcome: waiter.outcome,
             }));
         }
     }
@@ -661,7 +679,7 @@ impl Committer {
         for w in group.waiters {
             let _ = w.reply.send(Ok(Ack {
                 snapshot_id,
-                duplicate: w.duplicate,
+                outcome: w.outcome,
             }));
         }
         self.note_oldest();

@@ -339,9 +339,10 @@ impl Default for QueueLimits {
 #[serde(deny_unknown_fields)]
 pub struct DedupPolicy {
     /// A retried `(tenant, event_id)` within this long of the first acceptance (by ingest
-    /// time) is acknowledged as a duplicate. It survives a restart: the gateway rebuilds
+    /// time) is acknowledged as a duplicate (or refused as `identity_conflict` when it says
+    /// something else). It survives a restart: the gateway rebuilds
     /// it from the landing table's events ingested in the last `horizon` (by ingest time,
-    /// whatever the snapshot retention). Memory: about 48 bytes
+    /// whatever the snapshot retention). Memory: about 56 bytes
     /// per event accepted within the horizon. Must exceed the producers' unsent-age budget.
     #[serde(default = "DedupPolicy::default_horizon", with = "humantime_serde")]
     pub horizon: Duration,

@@ -21,19 +21,25 @@ pub fn identity(tenant: &str, event_id: &str) -> u128 {
 pub enum Seen {
     /// Never seen within the horizon.
     New,
-    /// Committed within the horizon.
+    /// Committed within the horizon, with the same content.
     Committed,
-    /// Waiting in the commit group with this id.
+    /// Waiting in the commit group with this id, with the same content.
     InFlight(u64),
+    /// Accepted within the horizon (committed or waiting) with other content.
+    Conflict,
 }
 
-/// See the module docs.
+/// See the module docs. Each identity keeps its event's content digest
+/// ([`Event::content_digest`](signalweave_model::Event::content_digest)), so a retry is
+/// told apart from another event under a reused identity.
 #[derive(Debug, Default)]
 pub struct DedupIndex {
     horizon_us: i64,
-    committed: FxHashMap<u128, i64>,
+    /// Identity → (ingest time, content digest).
+    committed: FxHashMap<u128, (i64, u64)>,
     order: VecDeque<(i64, u128)>,
-    inflight: FxHashMap<u128, u64>,
+    /// Identity → (commit group, content digest).
+    inflight: FxHashMap<u128, (u64, u64)>,
 }
 
 impl DedupIndex {
@@ -45,38 +51,49 @@ impl DedupIndex {
         }
     }
 
-    /// Loads committed identities (for example rebuilt from the landing table).
-    pub fn load(&mut self, mut entries: Vec<(i64, u128)>, now_us: i64) {
+    /// Loads committed identities as `(ingest time, identity, content digest)` (for example
+    /// rebuilt from the landing table).
+    pub fn load(&mut self, mut entries: Vec<(i64, u128, u64)>, now_us: i64) {
         entries.sort_unstable();
-        for (ingest_us, id) in entries {
-            if self.committed.insert(id, ingest_us).is_none() {
+        for (ingest_us, id, content) in entries {
+            if self.committed.insert(id, (ingest_us, content)).is_none() {
                 self.order.push_back((ingest_us, id));
             }
         }
         self.expire(now_us);
     }
 
-    /// What the index knows about `id`.
-    pub fn check(&self, id: u128) -> Seen {
-        if let Some(group) = self.inflight.get(&id) {
-            Seen::InFlight(*group)
-        } else if self.committed.contains_key(&id) {
-            Seen::Committed
+    /// What the index knows about `id`, carrying content digested to `content`.
+    pub fn check(&self, id: u128, content: u64) -> Seen {
+        if let Some(&(group, held)) = self.inflight.get(&id) {
+            if held == content {
+                Seen::InFlight(group)
+            } else {
+                Seen::Conflict
+            }
+        } else if let Some(&(_, held)) = self.committed.get(&id) {
+            if held == content {
+                Seen::Committed
+            } else {
+                Seen::Conflict
+            }
         } else {
             Seen::New
         }
     }
 
-    /// Records `id` as waiting in `group`.
-    pub fn hold(&mut self, id: u128, group: u64) {
-        self.inflight.insert(id, group);
+    /// Records `id`, carrying `content`, as waiting in `group`.
+    pub fn hold(&mut self, id: u128, group: u64, content: u64) {
+        self.inflight.insert(id, (group, content));
     }
 
     /// Moves a committed group's identities from waiting to committed.
     pub fn committed(&mut self, ids: &[u128], ingest_us: &[i64]) {
         for (id, at) in ids.iter().zip(ingest_us) {
-            self.inflight.remove(id);
-            if self.committed.insert(*id, *at).is_none() {
+            let Some((_, content)) = self.inflight.remove(id) else {
+                continue;
+            };
+            if self.committed.insert(*id, (*at, content)).is_none() {
                 self.order.push_back((*at, *id));
             }
         }
@@ -97,7 +114,7 @@ impl DedupIndex {
                 break;
             }
             self.order.pop_front();
-            if self.committed.get(&id) == Some(&at) {
+            if self.committed.get(&id).map(|e| e.0) == Some(at) {
                 self.committed.remove(&id);
             }
         }
@@ -124,24 +141,28 @@ mod tests {
         let a = identity("t", "e-1");
         assert_ne!(a, identity("u", "e-1"));
         assert_ne!(identity("ab", "c"), identity("a", "bc"));
-        assert_eq!(ix.check(a), Seen::New);
-        ix.hold(a, 7);
-        assert_eq!(ix.check(a), Seen::InFlight(7));
+        assert_eq!(ix.check(a, 1), Seen::New);
+        ix.hold(a, 7, 1);
+        assert_eq!(ix.check(a, 1), Seen::InFlight(7));
+        assert_eq!(ix.check(a, 2), Seen::Conflict);
         ix.committed(&[a], &[100]);
-        assert_eq!(ix.check(a), Seen::Committed);
+        assert_eq!(ix.check(a, 1), Seen::Committed);
+        assert_eq!(ix.check(a, 2), Seen::Conflict);
         ix.expire(1_100);
-        assert_eq!(ix.check(a), Seen::Committed);
+        assert_eq!(ix.check(a, 1), Seen::Committed);
         ix.expire(1_101);
-        assert_eq!(ix.check(a), Seen::New);
+        assert_eq!(ix.check(a, 1), Seen::New);
+        assert_eq!(ix.check(a, 2), Seen::New);
         assert!(ix.is_empty());
         let b = identity("t", "e-2");
-        ix.hold(b, 8);
+        ix.hold(b, 8, 3);
         ix.release(&[b]);
-        assert_eq!(ix.check(b), Seen::New);
-        ix.load(vec![(50, b), (40, a)], 1_000);
-        assert_eq!(ix.check(a), Seen::Committed);
+        assert_eq!(ix.check(b, 3), Seen::New);
+        ix.load(vec![(50, b, 3), (40, a, 1)], 1_000);
+        assert_eq!(ix.check(a, 1), Seen::Committed);
+        assert_eq!(ix.check(b, 4), Seen::Conflict);
         ix.expire(1_045);
-        assert_eq!(ix.check(a), Seen::New);
-        assert_eq!(ix.check(b), Seen::Committed);
+        assert_eq!(ix.check(a, 1), Seen::New);
+        assert_eq!(ix.check(b, 3), Seen::Committed);
     }
 }

@@ -18,8 +18,8 @@ use futures::TryStreamExt;
 use serde::Serialize;
 use signalweave_lake::{Lake, LakeTable, rejection_batch_of};
 use signalweave_model::{
-    ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry, ValidationLimits,
-    format_rfc3339_micros,
+    CONTENT_COLUMNS, ErrorKind, EventValidator, ReasonCode, Rejection, SchemaRegistry,
+    ValidationLimits, content_digests, format_rfc3339_micros,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use crate::auth::{Authenticator, Grant};
 use crate::body::{body_format, decode, split};
 use crate::committer::{
-    Committer, CommitterOptions, CommitterReport, Phase, Pipeline, Submission, Unavailable,
+    Committer, CommitterOptions, CommitterReport, Outcome, Phase, Pipeline, Submission, Unavailable,
 };
 use crate::config::GatewayConfig;
 use crate::dedup::{DedupIndex, identity};
@@ -87,8 +87,8 @@ fn now_us() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
 
-/// Rebuilds the duplicate index from the landing table: the identities of events ingested
-/// within `horizon`, read from the current snapshot by `ingest_time` (the data files'
+/// Rebuilds the duplicate index from the landing table: the identities (and content
+/// digests) of events ingested within `horizon`, read from the current snapshot by `ingest_time` (the data files'
 /// column statistics prune everything older), so it needs no snapshot history.
 pub async fn rebuild_dedup(lake: &Lake, horizon: Duration) -> Result<DedupIndex> {
     let horizon_us = i64::try_from(horizon.as_micros()).unwrap_or(i64::MAX);
@@ -97,6 +97,7 @@ pub async fn rebuild_dedup(lake: &Lake, horizon: Duration) -> Result<DedupIndex>
     let mut index = DedupIndex::new(horizon_us);
     let columns: Vec<String> = ["event_id", "tenant", "ingest_time"]
         .into_iter()
+        .chain(CONTENT_COLUMNS)
         .map(String::from)
         .collect();
     let plan = lake
@@ -142,10 +143,12 @@ pub async fn rebuild_dedup(lake: &Lake, horizon: Duration) -> Result<DedupIndex>
                 "rebuild dedup: unexpected column types in the events table",
             ));
         };
-        for row in 0..batch.num_rows() {
+        let contents = content_digests(&batch)
+            .map_err(|e| GatewayError::new(ErrorKind::Internal, format!("rebuild dedup: {e}")))?;
+        for (row, content) in contents.into_iter().enumerate() {
             let at = ingest.value(row);
             if at >= cutoff {
-                entries.push((at, identity(tenants.value(row), ids.value(row))));
+                entries.push((at, identity(tenants.value(row), ids.value(row)), content));
             }
         }
     }
@@ -884,16 +887,44 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
 
     let mut results: Vec<EventResult> = Vec::with_capacity(events.len());
     let mut duplicates = 0;
+    let mut conflicts: Vec<(usize, Rejection)> = Vec::new();
     for (k, &i) in positions.iter().enumerate() {
-        let dup = ack.duplicate.get(k).copied().unwrap_or(false);
-        duplicates += usize::from(dup);
-        results.push(EventResult {
-            index: i,
-            status: if dup { "duplicate" } else { "accepted" },
-            reason: None,
-            detail: None,
-        });
+        match ack.outcome.get(k).copied().unwrap_or(Outcome::Accepted) {
+            Outcome::Accepted => results.push(EventResult {
+                index: i,
+                status: "accepted",
+                reason: None,
+                detail: None,
+            }),
+            Outcome::Duplicate => {
+                duplicates += 1;
+                results.push(EventResult {
+                    index: i,
+                    status: "duplicate",
+                    reason: None,
+                    detail: None,
+                });
+            }
+            Outcome::Conflict => conflicts.push((
+                i,
+                Rejection::new(
+                    ReasonCode::IdentityConflict,
+                    format!(
+                        "event_id `{}` was accepted within the dedup horizon with other \
+                         content; a retry must resend the same event, and a new event needs \
+                         a new event_id",
+                        raw_event_id(events[i])
+                    ),
+                ),
+            )),
+        }
     }
+    if !conflicts.is_empty() {
+        record_conflicts(st, &grant, &events, &conflicts);
+    }
+    let candidates = candidates - conflicts.len();
+    let all_conflicts = candidates == 0 && rejected.is_empty() && !conflicts.is_empty();
+    rejected.extend(conflicts);
     let all_authz = rejected.iter().all(|(_, r)| {
         matches!(
             r.reason,
@@ -914,6 +945,8 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         (StatusCode::OK, "accepted")
     } else if candidates > 0 {
         (StatusCode::MULTI_STATUS, "partial")
+    } else if all_conflicts {
+        (StatusCode::CONFLICT, "rejected")
     } else if all_authz {
         (StatusCode::FORBIDDEN, "rejected")
     } else {
@@ -933,6 +966,57 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         results,
     };
     Ok((status, axum::Json(body)).into_response())
+}
+
+/// The `event_id` of a raw event that validated (so it is a JSON object with one).
+fn raw_event_id(raw: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(raw)
+        .ok()
+        .and_then(|v| v.get("event_id")?.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// Counts the request's identity conflicts and hands their evidence to the committer, as
+/// a submission of evidence only (the conflicts are known once the committer has seen the
+/// request's events, after the other rejections' evidence went with them).
+fn record_conflicts(
+    st: &AppState,
+    grant: &Grant,
+    events: &[&[u8]],
+    conflicts: &[(usize, Rejection)],
+) {
+    st.metrics
+        .rejections
+        .get_or_create(&[("reason", ReasonCode::IdentityConflict.as_str())])
+        .inc_by(conflicts.len() as u64);
+    st.metrics
+        .events
+        .get_or_create(&[("outcome", "rejected")])
+        .inc_by(conflicts.len() as u64);
+    let rows: Vec<(&[u8], u64, Rejection)> = conflicts
+        .iter()
+        .map(|(i, r)| (events[*i], *i as u64, r.clone()))
+        .collect();
+    let Ok(evidence) = rejection_batch_of(
+        now_us(),
+        &format!("gateway/{}", grant.tenant),
+        Some(&grant.tenant),
+        &rows,
+    ) else {
+        return;
+    };
+    let (reply, _) = oneshot::channel();
+    let sent = st.tx.send(Submission {
+        tenant_index: grant.tenant_index,
+        ingest_time_us: now_us(),
+        events: Vec::new(),
+        bytes: 0,
+        evidence: Some(evidence),
+        reply,
+    });
+    if sent.is_err() {
+        st.metrics.evidence_dropped.inc_by(conflicts.len() as u64);
+    }
 }
 
 /// Reserves `bytes` of the queue for `grant`'s tenant, or refuses: 429 when the tenant's

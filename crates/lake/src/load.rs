@@ -11,7 +11,8 @@
 //! that carried them. Within a file, a repeated `(tenant, event_id)` is counted as a
 //! duplicate and lands once.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use signalweave_model::{
-    ErrorKind, EventBatchBuilder, EventValidator, Rejection, format_rfc3339_micros,
+    ErrorKind, EventBatchBuilder, EventValidator, ReasonCode, Rejection, format_rfc3339_micros,
 };
 
 use crate::error::{LakeError, Result};
@@ -250,7 +251,8 @@ struct ChunkState<'a> {
     validator: &'a EventValidator,
     options: &'a LoadOptions,
     writer: String,
-    seen: HashSet<(String, String)>,
+    /// Identities seen in this load, with their events' content digests.
+    seen: HashMap<(String, String), u64>,
     report: LoadReport,
     chunk: u64,
     events: EventBatchBuilder,
@@ -277,27 +279,45 @@ impl ChunkState<'_> {
                     event.tenant.as_str().to_owned(),
                     event.event_id.as_str().to_owned(),
                 );
-                if self.seen.insert(key) {
-                    self.events.push(&event);
-                } else {
-                    self.chunk_dups += 1;
+                let content = event.content_digest();
+                match self.seen.entry(key) {
+                    Entry::Vacant(slot) => {
+                        slot.insert(content);
+                        self.events.push(&event);
+                    }
+                    Entry::Occupied(first) if *first.get() == content => self.chunk_dups += 1,
+                    Entry::Occupied(_) => self.reject(
+                        raw,
+                        position,
+                        &Rejection::new(
+                            ReasonCode::IdentityConflict,
+                            format!(
+                                "event_id `{}` appears earlier in the input with other \
+                                 content; a new event needs a new event_id",
+                                event.event_id
+                            ),
+                        ),
+                    ),
                 }
             }
-            Err(rejection) => {
-                *self
-                    .chunk_rejected
-                    .entry(rejection.reason.as_str().to_owned())
-                    .or_default() += 1;
-                self.rejections.push(
-                    now,
-                    &self.options.source_name,
-                    None,
-                    raw,
-                    position,
-                    &rejection,
-                );
-            }
+            Err(rejection) => self.reject(raw, position, &rejection),
         }
+    }
+
+    fn reject(&mut self, raw: &[u8], position: u64, rejection: &Rejection) {
+        let now = self.clock_us;
+        *self
+            .chunk_rejected
+            .entry(rejection.reason.as_str().to_owned())
+            .or_default() += 1;
+        self.rejections.push(
+            now,
+            &self.options.source_name,
+            None,
+            raw,
+            position,
+            rejection,
+        );
     }
 
     async fn flush(&mut self) -> Result<()> {
@@ -531,7 +551,7 @@ impl Lake {
             validator,
             options,
             writer,
-            seen: HashSet::new(),
+            seen: HashMap::new(),
             report: LoadReport {
                 file_digest: digest,
                 ..Default::default()

@@ -18,10 +18,13 @@
 use std::sync::{Arc, LazyLock};
 
 use arrow_array::builder::{Int64Builder, StringBuilder, TimestampMicrosecondBuilder};
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Int64Type, TimestampMicrosecondType};
+use arrow_array::{Array, ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{Error, ErrorKind, ReasonCode, Rejection};
 use crate::ids::{EventId, ProducerId, TenantId};
@@ -110,6 +113,155 @@ impl Event {
         obj.insert("payload".into(), Value::Object(payload));
         Value::Object(obj)
     }
+}
+
+/// What an event says, apart from who sent it and when it landed: the fields a retry of
+/// the same event repeats. Two events with one identity `(tenant, event_id)` and different
+/// content are two events, not a retry.
+struct Content<'a> {
+    event_type: &'a str,
+    schema_version: &'a str,
+    event_time_us: i64,
+    partition_key: &'a str,
+    order_id: Option<&'a str>,
+    customer_id: Option<&'a str>,
+    market_id: Option<&'a str>,
+    business_version: i64,
+    amount_minor: Option<i64>,
+    currency: Option<&'a str>,
+    attributes: Option<&'a str>,
+}
+
+impl Content<'_> {
+    fn digest(&self) -> u64 {
+        let mut h = Xxh3::new();
+        let text = |h: &mut Xxh3, v: Option<&str>| match v {
+            None => h.update(&[0]),
+            Some(v) => {
+                h.update(&[1]);
+                h.update(&(v.len() as u64).to_le_bytes());
+                h.update(v.as_bytes());
+            }
+        };
+        let int = |h: &mut Xxh3, v: Option<i64>| match v {
+            None => h.update(&[0]),
+            Some(v) => {
+                h.update(&[1]);
+                h.update(&v.to_le_bytes());
+            }
+        };
+        text(&mut h, Some(self.event_type));
+        text(&mut h, Some(self.schema_version));
+        int(&mut h, Some(self.event_time_us));
+        text(&mut h, Some(self.partition_key));
+        text(&mut h, self.order_id);
+        text(&mut h, self.customer_id);
+        text(&mut h, self.market_id);
+        int(&mut h, Some(self.business_version));
+        int(&mut h, self.amount_minor);
+        text(&mut h, self.currency);
+        text(&mut h, self.attributes);
+        h.digest()
+    }
+}
+
+impl Event {
+    /// A 64-bit digest of what the event says: every field but its identity, its producer
+    /// (`producer_id`, `producer_seq`) and its `ingest_time`. A retry of an event has the
+    /// digest of the original; [`content_digests`] gives the same digests for landed rows.
+    pub fn content_digest(&self) -> u64 {
+        let version = self.schema_version.to_string();
+        Content {
+            event_type: &self.event_type,
+            schema_version: &version,
+            event_time_us: self.event_time_us,
+            partition_key: &self.partition_key,
+            order_id: self.order_id.as_deref(),
+            customer_id: self.customer_id.as_deref(),
+            market_id: self.market_id.as_deref(),
+            business_version: self.business_version,
+            amount_minor: self.amount_minor,
+            currency: self.currency.as_deref(),
+            attributes: self.attributes.as_deref(),
+        }
+        .digest()
+    }
+}
+
+/// The columns [`content_digests`] reads.
+pub const CONTENT_COLUMNS: [&str; 11] = [
+    "event_type",
+    "schema_version",
+    "event_time",
+    "partition_key",
+    "order_id",
+    "customer_id",
+    "market_id",
+    "business_version",
+    "amount_minor",
+    "currency",
+    "attributes",
+];
+
+/// [`Event::content_digest`] of each row of a batch of `signalweave.events` that holds at
+/// least the [`CONTENT_COLUMNS`].
+pub fn content_digests(batch: &RecordBatch) -> crate::Result<Vec<u64>> {
+    let column = |name: &str| {
+        batch.column_by_name(name).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Internal,
+                format!("content digest: the batch lacks `{name}`"),
+            )
+        })
+    };
+    let wrong = |name: &str| {
+        Error::new(
+            ErrorKind::Internal,
+            format!("content digest: `{name}` has an unexpected type"),
+        )
+    };
+    let text =
+        |name: &str| column(name).and_then(|c| c.as_string_opt::<i32>().ok_or_else(|| wrong(name)));
+    let int = |name: &str| {
+        column(name).and_then(|c| c.as_primitive_opt::<Int64Type>().ok_or_else(|| wrong(name)))
+    };
+    let event_time = column("event_time")?
+        .as_primitive_opt::<TimestampMicrosecondType>()
+        .ok_or_else(|| wrong("event_time"))?;
+    let (event_type, schema_version, partition_key) = (
+        text("event_type")?,
+        text("schema_version")?,
+        text("partition_key")?,
+    );
+    let (order_id, customer_id, market_id, currency, attributes) = (
+        text("order_id")?,
+        text("customer_id")?,
+        text("market_id")?,
+        text("currency")?,
+        text("attributes")?,
+    );
+    let (business_version, amount_minor) = (int("business_version")?, int("amount_minor")?);
+    fn opt_text(a: &StringArray, row: usize) -> Option<&str> {
+        a.is_valid(row).then(|| a.value(row))
+    }
+    Ok((0..batch.num_rows())
+        .map(|row| {
+            Content {
+                event_type: event_type.value(row),
+                schema_version: schema_version.value(row),
+                event_time_us: event_time.value(row),
+                partition_key: partition_key.value(row),
+                order_id: opt_text(order_id, row),
+                customer_id: opt_text(customer_id, row),
+                market_id: opt_text(market_id, row),
+                business_version: business_version.value(row),
+                amount_minor: amount_minor.is_valid(row).then(|| amount_minor.value(row)),
+                currency: opt_text(currency, row),
+                attributes: opt_text(attributes, row),
+            }
+            .digest()
+        })
+        .collect())
 }
 
 /// Columns of `signalweave.events`, in order, with their Iceberg field ids (1-based position).

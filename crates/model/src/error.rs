@@ -126,6 +126,9 @@ pub enum ReasonCode {
     MalformedBody,
     /// The request body did not arrive within the gateway's body timeout.
     BodyTimeout,
+    /// The event reuses the identity `(tenant, event_id)` of an event accepted within the
+    /// dedup horizon, with other content: a retry must resend the same event.
+    IdentityConflict,
 }
 
 impl ReasonCode {
@@ -154,6 +157,7 @@ impl ReasonCode {
             ReasonCode::BatchTooLarge => "batch_too_large",
             ReasonCode::MalformedBody => "malformed_body",
             ReasonCode::BodyTimeout => "body_timeout",
+            ReasonCode::IdentityConflict => "identity_conflict",
         }
     }
 }

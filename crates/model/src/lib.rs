@@ -17,7 +17,8 @@ mod registry;
 mod time;
 
 pub use envelope::{
-    EVENT_COLUMNS, Event, EventBatchBuilder, EventValidator, ValidationLimits, events_arrow_schema,
+    CONTENT_COLUMNS, EVENT_COLUMNS, Event, EventBatchBuilder, EventValidator, ValidationLimits,
+    content_digests, events_arrow_schema,
 };
 pub use error::{Error, ErrorKind, ReasonCode, Rejection, Result};
 pub use ids::{EventId, ProducerId, TenantId};

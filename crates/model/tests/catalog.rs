@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde_json::json;
 use signalweave_model::{
     EventBatchBuilder, EventValidator, ReasonCode, SchemaRegistry, ValidationLimits,
-    check_compatibility, events_arrow_schema,
+    check_compatibility, content_digests, events_arrow_schema,
 };
 
 fn registry() -> SchemaRegistry {
@@ -240,4 +240,52 @@ fn batches_carry_field_ids() {
         assert_eq!(f.metadata()["PARQUET:field_id"], (i + 1).to_string());
     }
     assert!(b.is_empty());
+}
+
+#[test]
+fn a_retry_has_the_content_digest_of_its_original_and_a_changed_event_does_not() {
+    let v = EventValidator::new(Arc::new(registry()), ValidationLimits::default());
+    let original = v.validate_value(&base_event("1.1.0"), NOW, NOW).unwrap();
+    // A retry: another ingest time, and a producer that numbers it anew.
+    let mut retry_wire = base_event("1.1.0");
+    retry_wire["producer_seq"] = json!(99);
+    let retry = v.validate_value(&retry_wire, NOW, NOW + 5_000_000).unwrap();
+    assert_eq!(original.content_digest(), retry.content_digest());
+
+    let changes: [(&str, serde_json::Value); 5] = [
+        ("event_time", json!("2025-12-31T23:59:01Z")),
+        ("market_id", json!("m-2")),
+        ("business_version", json!(2)),
+        ("payload", json!({"amount_minor": 1251, "currency": "EUR"})),
+        ("payload", json!({"amount_minor": 1250, "currency": "USD"})),
+    ];
+    let mut changed = Vec::new();
+    for (field, value) in changes {
+        let mut wire = base_event("1.1.0");
+        wire[field] = value;
+        let e = v.validate_value(&wire, NOW, NOW).unwrap();
+        assert_ne!(e.content_digest(), original.content_digest(), "{field}");
+        changed.push(e);
+    }
+    // An absent optional field differs from an empty one.
+    let mut no_order = original.clone();
+    no_order.order_id = None;
+    let mut empty_order = original.clone();
+    empty_order.order_id = Some(String::new());
+    assert_ne!(no_order.content_digest(), empty_order.content_digest());
+
+    // Landed rows give the digests their events gave.
+    let mut b = EventBatchBuilder::with_capacity(8);
+    let all: Vec<_> = [&original, &retry, &no_order, &empty_order]
+        .into_iter()
+        .chain(&changed)
+        .collect();
+    for e in &all {
+        b.push(e);
+    }
+    let batch = b.finish().unwrap();
+    let expected: Vec<u64> = all.iter().map(|e| e.content_digest()).collect();
+    assert_eq!(content_digests(&batch).unwrap(), expected);
+    let projected = batch.project(&[0, 3]).unwrap();
+    assert!(content_digests(&projected).is_err());
 }

@@ -486,7 +486,7 @@ async fn deliver(inner: &Inner, batch: Vec<Pending>) {
                     .and_then(|v| v.trim().parse::<u64>().ok())
                     .map(Duration::from_secs);
                 match status {
-                    200 | 207 | 400 | 403 => match resp.bytes().await {
+                    200 | 207 | 400 | 403 | 409 => match resp.bytes().await {
                         Ok(text) => {
                             account(inner, &batch, status, &text);
                             release(inner, &batch);
