@@ -505,6 +505,72 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
     assert!(records(&lake) < 24_000, "aborted before the end");
     let again = backfill_cmd(&lake, "resume", "steered");
     assert_eq!(again.status.code(), Some(3), "{again:?}");
+
+    // SIGTERM stops a run where it stands and leaves it paused, not half-running; a
+    // resume finishes it with every window written once.
+    let signalled = Proc::spawn(start(&lake, "signalled", &["--records-per-sec", "4000"]));
+    wait_until("a sub-range done", Duration::from_secs(30), || {
+        try_status(&lake, "signalled").is_some_and(|s| {
+            s["subranges"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["state"] == "done")
+        })
+    });
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &signalled.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let mut child = signalled.child;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(Instant::now() < deadline, "SIGTERM was not obeyed");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(code, Some(1), "an interrupted backfill exits 1");
+    let s = status(&lake, "signalled");
+    assert_eq!(s["backfill"]["state"], "paused", "{s}");
+    assert_eq!(s["running"], false, "{s}");
+    let done = |s: &Value| {
+        s["subranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["state"] == "done")
+            .count()
+    };
+    assert!(done(&s) < 6, "stopped before the end: {s}");
+    let table = sw(&lake)
+        .args(["backfill", "status", "--namespace", "signalled"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("paused (resume to continue)"), "{text}");
+    ok(backfill_cmd(&lake, "resume", "signalled"));
+    let s = status(&lake, "signalled");
+    assert_eq!(
+        (s["backfill"]["state"].as_str(), done(&s)),
+        (Some("completed"), 6),
+        "{s}"
+    );
+    let c = compare(&lake, "signalled");
+    for k in ["changed", "missing", "extra"] {
+        assert_eq!(c[k], 0, "{k}: {c}");
+    }
+    assert_eq!(
+        count(
+            &lake,
+            "select count(*) from signalweave.market_aggregates__bf_signalled \
+             where output_version <> 1"
+        ),
+        0,
+        "no window written twice"
+    );
 }
 
 #[test]

@@ -350,7 +350,18 @@ async fn run_here(
     let server = metrics_listener.map(|l| serve_metrics(l, Arc::clone(&metrics)));
     let progress = Arc::clone(&options.progress);
     let bar = (!flags.quiet).then(|| show_progress(progress));
+    // SIGINT or SIGTERM stops the run where it stands and leaves the backfill paused.
+    let on_signal = {
+        let interrupt = options.interrupt.clone();
+        tokio::spawn(async move {
+            crate::ingest::shutdown_signal().await;
+            tracing::info!("signal received: stopping the backfill where it stands");
+            interrupt.interrupt();
+        })
+    };
+    let interrupt = options.interrupt.clone();
     let result = backfill::run(lake, spec, namespace, options).await;
+    on_signal.abort();
     if let Some((bar, task)) = bar {
         task.abort();
         bar.finish_and_clear();
@@ -360,6 +371,13 @@ async fn run_here(
     }
     let record = result?;
     print_record(&record)?;
+    if interrupt.is_set() && record.state == "paused" {
+        eprintln!(
+            "stopped by a signal: the backfill is paused; `signalweave backfill resume --job {} \
+             --namespace {}` continues it",
+            record.job, record.namespace
+        );
+    }
     Ok(if record.state == "completed" {
         ExitCode::SUCCESS
     } else {
@@ -802,6 +820,7 @@ async fn status(lake: &Lake, a: &StatusArgs) -> Result<ExitCode> {
                 // Its runner is gone (killed, or the machine lost): nothing moves until
                 // `resume`.
                 ("running", false) => "interrupted (resume to continue)".to_string(),
+                ("paused", false) => "paused (resume to continue)".to_string(),
                 (state, false) => state.to_string(),
             },
             format!("{done}/{}", subs.len()),

@@ -49,7 +49,7 @@ fn read_limited(mut reader: impl Read, limit: usize, what: &str) -> Result<Vec<u
     let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
     (&mut reader).take(cap).read_to_end(&mut out).map_err(|e| {
         Rejection::new(
-            ReasonCode::UnsupportedEncoding,
+            ReasonCode::MalformedBody,
             format!("the {what} body does not decode: {e}"),
         )
     })?;
@@ -81,7 +81,7 @@ pub fn decode(
         Some("zstd") => {
             let decoder = zstd::stream::read::Decoder::new(&body[..]).map_err(|e| {
                 Rejection::new(
-                    ReasonCode::UnsupportedEncoding,
+                    ReasonCode::MalformedBody,
                     format!("the zstd body does not decode: {e}"),
                 )
             })?;
@@ -208,8 +208,11 @@ mod tests {
         );
         let r = decode(Some("br"), big.clone().into(), 1 << 21).unwrap_err();
         assert_eq!(r.reason, ReasonCode::UnsupportedEncoding);
+        // A body in a supported encoding that does not decode is malformed, not unsupported.
         let r = decode(Some("gzip"), bytes::Bytes::from_static(b"not gzip"), 10).unwrap_err();
-        assert_eq!(r.reason, ReasonCode::UnsupportedEncoding);
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+        let r = decode(Some("zstd"), bytes::Bytes::from_static(b"not zstd"), 10).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
     }
 
     #[test]

@@ -740,10 +740,10 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         Ok(d) => d,
         Err(r) => {
             record_refusal(st, Some(&grant), &raw, &r);
-            let status = if r.reason == ReasonCode::BodyTooLarge {
-                StatusCode::PAYLOAD_TOO_LARGE
-            } else {
-                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            let status = match r.reason {
+                ReasonCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+                ReasonCode::MalformedBody => StatusCode::BAD_REQUEST,
+                _ => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             };
             return Err(Refusal::rejection(status, &r));
         }

@@ -116,13 +116,14 @@ pub enum ReasonCode {
     InvalidCredentials,
     /// The request's content type is not JSON or NDJSON.
     UnsupportedMediaType,
-    /// The request's content encoding is not identity, gzip or zstd, or does not decode.
+    /// The request's content encoding is not identity, gzip or zstd.
     UnsupportedEncoding,
     /// The request body (compressed or decoded) is larger than the limit.
     BodyTooLarge,
     /// The request holds more events than the batch limit.
     BatchTooLarge,
-    /// The body is not one JSON object, a JSON array of objects, or NDJSON.
+    /// The body is not one JSON object, a JSON array of objects, or NDJSON, or does not
+    /// decode in its declared content encoding.
     MalformedBody,
     /// The request body did not arrive within the gateway's body timeout.
     BodyTimeout,

@@ -1005,6 +1005,41 @@ pub struct RunOptions {
     pub fault: Option<BackfillFault>,
     /// Sub-ranges processed at once (each on its own task, with its own memory).
     pub parallelism: usize,
+    /// Stops the run where it stands, leaving the backfill paused (the CLI's SIGINT and
+    /// SIGTERM).
+    pub interrupt: Interrupt,
+}
+
+/// Asks a running backfill to stop where it stands: no sub-range starts after it, and the
+/// ones in flight are dropped (each commits atomically, so a dropped one is simply done
+/// again on `resume`, as after kill -9). The backfill is left `paused`, its snapshot
+/// still held.
+#[derive(Debug, Clone)]
+pub struct Interrupt(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Interrupt {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(false)))
+    }
+}
+
+impl Interrupt {
+    /// Asks the run to stop.
+    pub fn interrupt(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Whether the run was asked to stop.
+    pub fn is_set(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves once the run is asked to stop.
+    pub async fn wait(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives in `self`: the channel cannot close while this waits.
+        let _ = rx.wait_for(|set| *set).await;
+    }
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -1026,6 +1061,7 @@ impl Default for RunOptions {
             progress: SharedProgress::default(),
             fault: None,
             parallelism: 2,
+            interrupt: Interrupt::default(),
         }
     }
 }
@@ -1492,7 +1528,8 @@ impl Running {
             .await
     }
 
-    /// Runs the pending sub-ranges; returns the final state (`completed` or `aborted`).
+    /// Runs the pending sub-ranges; returns the state they leave: `completed`, `aborted`,
+    /// or `paused` when the run was interrupted.
     async fn run_subranges(&self) -> Result<&'static str> {
         let (job, ns) = (&self.record.job, &self.record.namespace);
         let subranges = self.store.subranges(job, ns).await?;
@@ -1516,23 +1553,38 @@ impl Running {
         // core sat idle. Permits are taken here, in sub-range order.
         let parallelism = self.options.parallelism.max(1);
         let processing = Arc::new(tokio::sync::Semaphore::new(parallelism));
+        let interrupt = &self.options.interrupt;
         loop {
             while !aborted && running.len() < parallelism * 2 {
                 let Some(sub) = pending.next() else { break };
-                let permit = Arc::clone(&processing).acquire_owned().await.map_err(|e| {
-                    RunnerError::new(ErrorKind::Internal, format!("processing permits: {e}"))
-                })?;
-                // A pause before the sub-range starts is throttled time too (in no
-                // sub-range's own figures).
-                let mut between = Stages::new(&self.options.metrics, &self.labels);
-                if !between.waiting(Stage::Throttled, self.obey()).await? {
+                let admitted = async {
+                    let permit = Arc::clone(&processing).acquire_owned().await.map_err(|e| {
+                        RunnerError::new(ErrorKind::Internal, format!("processing permits: {e}"))
+                    })?;
+                    // A pause before the sub-range starts is throttled time too (in no
+                    // sub-range's own figures).
+                    let mut between = Stages::new(&self.options.metrics, &self.labels);
+                    let go = between.waiting(Stage::Throttled, self.obey()).await?;
+                    Ok::<_, RunnerError>(go.then_some(permit))
+                };
+                let permit = tokio::select! {
+                    biased;
+                    () = interrupt.wait() => return Ok(Self::interrupted(running).await),
+                    admitted = admitted => admitted?,
+                };
+                let Some(permit) = permit else {
                     aborted = true;
                     break;
-                }
+                };
                 let me = self.clone();
                 running.spawn(async move { me.run_one(sub, permit).await });
             }
-            let Some(joined) = running.join_next().await else {
+            let joined = tokio::select! {
+                biased;
+                () = interrupt.wait() => return Ok(Self::interrupted(running).await),
+                joined = running.join_next() => joined,
+            };
+            let Some(joined) = joined else {
                 break;
             };
             let done = joined.map_err(|e| {
@@ -1548,6 +1600,14 @@ impl Running {
             }
         }
         Ok(if aborted { "aborted" } else { "completed" })
+    }
+
+    /// Drops the sub-ranges in flight and waits until they are gone: what they did not
+    /// record as done is done again on `resume`.
+    async fn interrupted(mut running: tokio::task::JoinSet<Result<bool>>) -> &'static str {
+        running.abort_all();
+        while running.join_next().await.is_some() {}
+        "paused"
     }
 
     /// Processes one sub-range under its `processing` permit, then commits it; false when
