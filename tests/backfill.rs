@@ -225,6 +225,26 @@ fn a_backfill_equals_the_live_outputs_and_resumes_after_kill_9_without_duplicate
     for k in ["changed", "missing", "extra", "partial"] {
         assert_eq!(c[k], 0, "{k}: {c}");
     }
+    // As CSV: one table, the differing windows, under its header even when there are none.
+    let csv = sw(&lake)
+        .args([
+            "backfill",
+            "compare",
+            "--job",
+            "market_aggregates",
+            "--namespace",
+            "reference",
+            "--format",
+            "csv",
+        ])
+        .output()
+        .unwrap();
+    assert!(csv.status.success(), "{csv:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&csv.stdout),
+        "kind,key,window_start,current,namespace\n"
+    );
+    assert!(String::from_utf8_lossy(&csv.stderr).contains("changed 0"));
     // The same records were late, by the same rule.
     let live_late = late_in_range(&lake, "live");
     assert!(

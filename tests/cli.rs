@@ -258,6 +258,47 @@ fn bad_input_exits_classified() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // An empty result still names its columns; CSV and JSON come out batch by batch.
+    let empty = |format: &str| {
+        let out = sw(
+            &lake,
+            &[
+                "sql",
+                "select event_id, amount_minor from signalweave.events where false",
+                "--format",
+                format,
+            ],
+        );
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(empty("csv"), "event_id,amount_minor\n");
+    assert_eq!(empty("json").trim(), "[]");
+    assert!(empty("table").contains("amount_minor"));
+    let many = sw(
+        &lake,
+        &[
+            "sql",
+            "select value from generate_series(1, 20000) order by value",
+            "--format",
+            "json",
+        ],
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&many.stdout).unwrap();
+    assert_eq!(rows.len(), 20_000);
+    assert_eq!(rows[19_999]["value"], 20_000);
+    let csv = sw(
+        &lake,
+        &[
+            "sql",
+            "select value from generate_series(1, 20000)",
+            "--format",
+            "csv",
+        ],
+    );
+    let text = String::from_utf8(csv.stdout).unwrap();
+    assert_eq!(text.lines().count(), 20_001, "one header, then the rows");
+    assert_eq!(text.lines().filter(|l| *l == "value").count(), 1);
     for query in [
         "select nosuchcol from signalweave.events",
         "select * from signalweave.nosuchtable",

@@ -25,7 +25,7 @@ use signalweave_fixtures::{ExpectedFigures, Generator, WorkloadSpec};
 use signalweave_lake::{AsOf, Lake, LakeConfig, LakeError, LakeTable, LoadOptions};
 use signalweave_model::{ErrorKind, EventValidator, SchemaRegistry, ValidationLimits};
 
-use crate::output::{Format, print_batches, print_rows};
+use crate::output::{Format, print_rows, print_stream};
 
 /// SignalWeave: a batch-and-stream replay and backfill engine on an Iceberg lake.
 #[derive(Debug, Parser)]
@@ -721,11 +721,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 };
                 LakeError::datafusion(context, e)
             })?;
-            let batches = df
-                .collect()
+            let stream = df
+                .execute_stream()
                 .await
                 .map_err(|e| LakeError::datafusion("run query", e))?;
-            print_batches(*format, &batches)?;
+            print_stream(*format, stream).await?;
         }
         Command::Load {
             file,

@@ -5,6 +5,9 @@ use std::io::Write;
 use anyhow::Result;
 use arrow::array::RecordBatch;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use datafusion::execution::SendableRecordBatchStream;
+use futures::StreamExt;
+use signalweave_lake::LakeError;
 
 /// Writes a line to stdout, returning an error (rather than panicking) when stdout is closed.
 #[macro_export]
@@ -97,22 +100,47 @@ pub fn print_rows(format: Format, header: &[&str], rows: Vec<Vec<String>>) -> Re
     Ok(())
 }
 
-/// Prints query results.
-pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
+/// Prints query results as they are computed. CSV and JSON are written batch by batch, so
+/// a large result is never held whole; a table needs every row for its column widths. An
+/// empty result still prints its columns (a CSV header, a table head) or `[]`.
+pub async fn print_stream(format: Format, mut stream: SendableRecordBatchStream) -> Result<()> {
+    let schema = stream.schema();
+    let next = |b: Option<datafusion::error::Result<RecordBatch>>| {
+        b.transpose()
+            .map_err(|e| LakeError::datafusion("run query", e))
+    };
     match format {
         Format::Table => {
-            outln!("{}", arrow::util::pretty::pretty_format_batches(batches)?)?;
+            let mut batches = Vec::new();
+            while let Some(b) = next(stream.next().await)? {
+                batches.push(b);
+            }
+            if batches.is_empty() {
+                batches.push(RecordBatch::new_empty(schema));
+            }
+            outln!("{}", arrow::util::pretty::pretty_format_batches(&batches)?)?;
         }
         // Each batch is encoded into a buffer, then written: a closed stdout is then an
         // `io::Error` of its own kind (the CSV writer reports it as text).
         Format::Csv => {
-            let mut stdout = std::io::stdout().lock();
-            for (i, b) in batches.iter().enumerate() {
+            let mut first = true;
+            let write = |b: &RecordBatch, header: bool| -> Result<()> {
                 let mut w = arrow::csv::WriterBuilder::new()
-                    .with_header(i == 0)
+                    .with_header(header)
                     .build(Vec::new());
                 w.write(b)?;
-                stdout.write_all(&w.into_inner()).map_err(OutputError)?;
+                std::io::stdout()
+                    .lock()
+                    .write_all(&w.into_inner())
+                    .map_err(OutputError)?;
+                Ok(())
+            };
+            while let Some(b) = next(stream.next().await)? {
+                write(&b, first)?;
+                first = false;
+            }
+            if first {
+                write(&RecordBatch::new_empty(schema), true)?;
             }
         }
         Format::Json => {
@@ -120,15 +148,21 @@ pub fn print_batches(format: Format, batches: &[RecordBatch]) -> Result<()> {
             let mut w = arrow::json::WriterBuilder::new()
                 .with_explicit_nulls(true)
                 .build::<_, arrow::json::writer::JsonArray>(Vec::new());
-            let refs: Vec<&RecordBatch> = batches.iter().collect();
-            w.write_batches(&refs)?;
+            let flush = |buffer: &mut Vec<u8>| -> Result<()> {
+                std::io::stdout()
+                    .lock()
+                    .write_all(buffer)
+                    .map_err(OutputError)?;
+                buffer.clear();
+                Ok(())
+            };
+            while let Some(b) = next(stream.next().await)? {
+                w.write(&b)?;
+                flush(w.get_mut())?;
+            }
             w.finish()?;
-            let mut text = w.into_inner();
-            text.push(b'\n');
-            std::io::stdout()
-                .lock()
-                .write_all(&text)
-                .map_err(OutputError)?;
+            w.get_mut().push(b'\n');
+            flush(w.get_mut())?;
         }
     }
     Ok(())
