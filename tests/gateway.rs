@@ -1005,12 +1005,47 @@ async fn a_request_beyond_a_quotas_capacity_gets_413_and_spends_nothing() {
         &post(&gw.url, T0, &batch(80, "many")).await,
         "producer_records",
     );
+    // Refused requests spend no quota, so their evidence has a budget per tenant: a
+    // burst of 100, then 10 a second; beyond it they are counted.
+    let big = serde_json::to_vec(&batch(150, "flood")).unwrap();
+    let flood = Instant::now();
+    for _ in 0..160 {
+        let a = post_raw(
+            &gw.url,
+            Some(T0),
+            Some("application/json"),
+            None,
+            big.clone(),
+        )
+        .await;
+        assert_eq!(a.status, 413);
+    }
+    let budget = 100.0 + 10.0 * flood.elapsed().as_secs_f64().ceil() + 2.0;
+    let metrics = reqwest::get(format!("{}/metrics", gw.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let unrecorded: f64 = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("signalweave_gateway_refusals_unrecorded_total")
+                && l.contains("tenant=\"tenant-0\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
     gw.stop().await;
     let reasons = rejection_reasons(&backend.config).await;
+    let recorded = reasons.iter().filter(|r| *r == "batch_too_large").count() as f64;
+    assert!(
+        recorded >= 100.0 && recorded <= budget,
+        "{recorded} recorded, budget {budget}"
+    );
     assert_eq!(
-        reasons.iter().filter(|r| *r == "batch_too_large").count(),
-        2,
-        "{reasons:?}"
+        recorded + unrecorded,
+        162.0,
+        "every refusal recorded or counted"
     );
 }
 

@@ -47,6 +47,9 @@ pub struct Metrics {
     /// Refusals of requests without a valid key left unrecorded: beyond their evidence
     /// budget (so such requests cannot flood `signalweave.rejections`).
     pub unauthenticated_unrecorded: Counter,
+    /// Refusals of a tenant's whole requests left unrecorded, by tenant: beyond the
+    /// tenant's evidence budget (a refused request spends no quota).
+    pub refusals_unrecorded: Family<Vec<(String, String)>, Counter>,
 }
 
 impl Default for Metrics {
@@ -74,6 +77,7 @@ impl Metrics {
         let dedup_entries = Gauge::default();
         let evidence_dropped = Counter::default();
         let unauthenticated_unrecorded = Counter::default();
+        let refusals_unrecorded = Family::<Vec<(String, String)>, Counter>::default();
         registry.register("requests", "Requests answered, by status", requests.clone());
         registry.register("events", "Events by outcome", events.clone());
         registry.register(
@@ -133,6 +137,11 @@ impl Metrics {
             "Refusals of requests without a valid key beyond their evidence budget, not recorded",
             unauthenticated_unrecorded.clone(),
         );
+        registry.register(
+            "refusals_unrecorded",
+            "Refusals of a tenant's whole requests beyond its evidence budget, not recorded",
+            refusals_unrecorded.clone(),
+        );
         Self {
             registry,
             requests,
@@ -150,6 +159,7 @@ impl Metrics {
             dedup_entries,
             evidence_dropped,
             unauthenticated_unrecorded,
+            refusals_unrecorded,
         }
     }
 

@@ -59,11 +59,24 @@ struct AppState {
     /// Evidence rows for refusals of requests without a valid key: they name no tenant
     /// whose quota could pay for them, so they share one budget.
     unauthenticated_evidence: governor::DefaultDirectRateLimiter,
+    /// Evidence rows for refusals of a tenant's whole requests (malformed, too large, timed
+    /// out, ...), which spend none of its quota: one budget per tenant.
+    refusal_evidence: governor::DefaultKeyedRateLimiter<usize>,
 }
 
-/// Evidence rows per second for requests without a valid key (and its burst).
-const UNAUTHENTICATED_EVIDENCE_PER_SEC: u32 = 10;
-const UNAUTHENTICATED_EVIDENCE_BURST: u32 = 100;
+/// Evidence rows per second for refused requests, without a valid key (all together) or
+/// of one tenant (each its own), and their burst.
+const REFUSAL_EVIDENCE_PER_SEC: u32 = 10;
+const REFUSAL_EVIDENCE_BURST: u32 = 100;
+
+fn refusal_evidence_quota() -> governor::Quota {
+    governor::Quota::per_second(
+        std::num::NonZeroU32::new(REFUSAL_EVIDENCE_PER_SEC).unwrap_or(std::num::NonZeroU32::MIN),
+    )
+    .allow_burst(
+        std::num::NonZeroU32::new(REFUSAL_EVIDENCE_BURST).unwrap_or(std::num::NonZeroU32::MIN),
+    )
+}
 
 /// A running gateway: the committer task and the state the HTTP handlers share.
 pub struct Gateway {
@@ -204,16 +217,8 @@ impl Gateway {
             metrics,
             tx,
             ready: AtomicBool::new(true),
-            unauthenticated_evidence: governor::RateLimiter::direct(
-                governor::Quota::per_second(
-                    std::num::NonZeroU32::new(UNAUTHENTICATED_EVIDENCE_PER_SEC)
-                        .unwrap_or(std::num::NonZeroU32::MIN),
-                )
-                .allow_burst(
-                    std::num::NonZeroU32::new(UNAUTHENTICATED_EVIDENCE_BURST)
-                        .unwrap_or(std::num::NonZeroU32::MIN),
-                ),
-            ),
+            unauthenticated_evidence: governor::RateLimiter::direct(refusal_evidence_quota()),
+            refusal_evidence: governor::RateLimiter::keyed(refusal_evidence_quota()),
             config,
         });
         // Idle producers' quota buckets are forgotten now and then, so a key that may speak
@@ -556,9 +561,19 @@ fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: 
         .rejections
         .get_or_create(&[("reason", rejection.reason.as_str())])
         .inc();
-    if grant.is_none() && st.unauthenticated_evidence.check().is_err() {
-        st.metrics.unauthenticated_unrecorded.inc();
-        return;
+    match grant {
+        None if st.unauthenticated_evidence.check().is_err() => {
+            st.metrics.unauthenticated_unrecorded.inc();
+            return;
+        }
+        Some(g) if st.refusal_evidence.check_key(&g.tenant_index).is_err() => {
+            st.metrics
+                .refusals_unrecorded
+                .get_or_create(&vec![("tenant".to_string(), g.tenant.to_string())])
+                .inc();
+            return;
+        }
+        _ => {}
     }
     let source = grant.map_or_else(
         || "gateway".to_string(),
