@@ -257,8 +257,38 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
         table.contains("strict_markets/live") && table.contains("running"),
         "{table}"
     );
+    // One instance at a time: a second one waits for the lease, then fails with a
+    // conflict (exit 3); the first runs on untouched.
+    let second = run_caught_up(&lake, &job, None);
+    assert_eq!(second.status.code(), Some(3), "{second:?}");
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(said.contains("another instance"), "{said}");
+    let v = status_json(&base).unwrap();
+    assert_eq!(v["state"], "running", "{v}");
     let log = p.terminate();
     assert!(log.contains("stopped at epoch"), "{log}");
+    // A clean stop gives the lease up, and a killed instance of this host loses it at
+    // once: the next one starts without waiting.
+    for kill in [false, true] {
+        let p = Proc::spawn({
+            let mut cmd = sw(&lake);
+            cmd.args(["run", "--job", job.to_str().unwrap()]);
+            cmd
+        });
+        p.wait_log("recovered at epoch", Duration::from_secs(60));
+        if kill {
+            p.kill();
+        } else {
+            p.terminate();
+        }
+        let started = std::time::Instant::now();
+        ok(run_caught_up(&lake, &job, None));
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "waited {:?} for the lease (killed: {kill})",
+            started.elapsed()
+        );
+    }
 }
 
 fn status_json(base: &str) -> Option<Value> {

@@ -92,6 +92,13 @@ impl Proc {
         }
     }
 
+    /// kill -9, and wait for the process to be gone.
+    #[allow(dead_code)]
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     pub fn terminate(mut self) -> String {
         let ok = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])

@@ -146,6 +146,7 @@ pub struct Jobs {
     pub served: Vec<(Arc<JobSpec>, String)>,
     handles: Vec<tokio::task::JoinHandle<Result<()>>>,
     stop: watch::Sender<bool>,
+    failed: Arc<tokio::sync::Notify>,
 }
 
 impl Jobs {
@@ -158,6 +159,7 @@ impl Jobs {
         let mut statuses = Vec::new();
         let mut handles = Vec::new();
         let mut served = Vec::new();
+        let failed = Arc::new(tokio::sync::Notify::new());
         for spec in specs {
             let job = LiveJob::recover(
                 lake.clone(),
@@ -179,16 +181,25 @@ impl Jobs {
             statuses.push(job.status());
             served.push((Arc::clone(&spec), config.namespace.clone()));
             let mut rx = rx.clone();
+            let failed = Arc::clone(&failed);
             handles.push(tokio::spawn(async move {
-                if until_caught_up {
-                    return run_until_caught_up(job).await;
+                let result = async {
+                    if until_caught_up {
+                        return run_until_caught_up(job).await;
+                    }
+                    let stopped = async move {
+                        let _ = rx.wait_for(|s| *s).await;
+                    };
+                    let job = job.run(stopped).await?;
+                    eprintln!("job {} stopped at epoch {}", spec.name, job.epoch());
+                    Ok(())
                 }
-                let stopped = async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                };
-                let job = job.run(stopped).await?;
-                eprintln!("job {} stopped at epoch {}", spec.name, job.epoch());
-                Ok(())
+                .await;
+                if let Err(e) = &result {
+                    eprintln!("error: job {} failed: {e:#}", spec.name);
+                    failed.notify_one();
+                }
+                result
             }));
         }
         Ok(Self {
@@ -197,7 +208,14 @@ impl Jobs {
             served,
             handles,
             stop,
+            failed,
         })
+    }
+
+    /// Resolves once a job has failed for good (its process should stop: another instance
+    /// runs it, or it cannot go on).
+    pub async fn failed(&self) {
+        self.failed.notified().await;
     }
 
     /// Asks every job to stop (each commits a last checkpoint) and waits for them.
@@ -213,7 +231,6 @@ impl Jobs {
             match h.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    eprintln!("error: {e:#}");
                     first_error.get_or_insert(e);
                 }
                 Err(e) => {
@@ -231,6 +248,7 @@ impl Jobs {
 /// Steps `job` until a step reads nothing new, then commits a last checkpoint.
 async fn run_until_caught_up(mut job: LiveJob) -> Result<()> {
     job.catch_up().await?;
+    job.release_lease().await;
     eprintln!(
         "job caught up: epoch {}, source position {}",
         job.epoch(),
@@ -331,8 +349,10 @@ pub async fn run(lake: Lake, args: &RunArgs) -> Result<ExitCode> {
     let result = if args.until_caught_up {
         jobs.wait().await
     } else {
-        shutdown_signal().await;
-        eprintln!("stopping: committing a last checkpoint");
+        tokio::select! {
+            () = shutdown_signal() => eprintln!("stopping: committing a last checkpoint"),
+            () = jobs.failed() => eprintln!("stopping: a job failed"),
+        }
         jobs.stop().await
     };
     if let Some(s) = serving {
@@ -387,13 +407,18 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
         jobs.served.len(),
         lake.config().warehouse_location()
     );
-    shutdown_signal().await;
-    eprintln!("stopping: draining the gateway, then committing the jobs' last checkpoints");
+    tokio::select! {
+        () = shutdown_signal() => eprintln!(
+            "stopping: draining the gateway, then committing the jobs' last checkpoints"
+        ),
+        // A job that cannot go on stops the whole process, so a supervisor sees it.
+        () = jobs.failed() => eprintln!("stopping: a job failed; draining the gateway"),
+    }
     let _ = stop_maintenance.send(true);
-    gateway.stop().await?;
+    let drained = gateway.stop().await;
     // The jobs read what the gateway committed last, then stop.
     tokio::time::sleep(args.jobs.poll_interval * 2).await;
-    jobs.stop().await?;
+    let jobs_stopped = jobs.stop().await;
     // Notifications read the last outputs, then stop (their lease given up).
     tokio::time::sleep(args.jobs.poll_interval * 2).await;
     let _ = stop_notify.send(true);
@@ -408,6 +433,8 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
     if let Some(m) = maintenance {
         let _ = m.await;
     }
+    drained?;
+    jobs_stopped?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -472,7 +499,9 @@ pub async fn status(args: &StatusArgs) -> Result<ExitCode> {
         &STATUS_HEADER,
         statuses.iter().map(status_row).collect(),
     )?;
-    let stalled = statuses.iter().any(|s| s.state == "stalled");
+    let stalled = statuses
+        .iter()
+        .any(|s| matches!(s.state.as_str(), "stalled" | "failed"));
     Ok(if stalled {
         ExitCode::from(1)
     } else {

@@ -235,6 +235,8 @@ pub struct Lake {
     loaded: Arc<std::sync::Mutex<HashMap<LakeTable, Table>>>,
     /// Contents of manifest lists and manifests read by maintenance (immutable files).
     pub(crate) manifest_cache: Arc<std::sync::Mutex<crate::maintain::ManifestCache>>,
+    /// Set once `sw_leases` is known to exist.
+    pub(crate) leases_table: Arc<tokio::sync::OnceCell<()>>,
 }
 
 fn sqlx_url(config: &LakeConfig) -> String {
@@ -339,6 +341,7 @@ impl Lake {
             control,
             loaded: Arc::default(),
             manifest_cache: Arc::default(),
+            leases_table: Arc::default(),
         })
     }
 
@@ -1484,7 +1487,7 @@ fn snapshots_after(
 /// A transaction-scoped advisory lock on PostgreSQL, held until the returned transaction
 /// ends (dropping it rolls back, which releases the lock); nothing on SQLite, which
 /// serializes DDL through its file lock.
-async fn ddl_lock(
+pub(crate) async fn ddl_lock(
     config: &LakeConfig,
     pool: &AnyPool,
 ) -> Result<Option<sqlx::Transaction<'static, sqlx::Any>>> {

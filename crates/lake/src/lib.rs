@@ -26,6 +26,7 @@ mod erase;
 mod error;
 mod lake;
 mod layout;
+mod lease;
 mod load;
 mod maintain;
 mod pinned;
@@ -48,6 +49,7 @@ pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,
     SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID,
 };
+pub use lease::lease_owner;
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch, rejection_batch_of};
 pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,

@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -115,6 +116,104 @@ pub struct LiveConfig {
     pub key_groups: u16,
     /// A fault drill (tests only).
     pub fault: Option<FaultPoint>,
+    /// Who runs the job: the owner of its lease (see [`LIVE_LEASE_TTL`]). One per process
+    /// by default, so a job recovered in the same process keeps its lease.
+    pub instance: String,
+}
+
+/// How long a live job's lease lasts unless renewed (every second while it runs). A second
+/// instance of the job waits this long for it, then fails with a conflict; a holder that
+/// was a process of this host and is gone (kill -9) gives it up at once.
+pub const LIVE_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// The lease scope of live jobs.
+const LIVE_LEASE: &str = "live";
+
+/// This process's owner name for leases of live jobs.
+pub fn process_instance() -> String {
+    static INSTANCE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        signalweave_lake::lease_owner(&uuid::Uuid::new_v4().simple().to_string()[..12])
+    });
+    INSTANCE.clone()
+}
+
+/// Renews a live job's lease every second; says when another instance took it.
+struct LeaseKeeper {
+    lost: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for LeaseKeeper {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl LeaseKeeper {
+    /// Takes the lease of `job` in `namespace` for `owner`, waiting up to
+    /// [`LIVE_LEASE_TTL`] (and a second) for another holder's to run out, then renews it.
+    async fn take(lake: &Lake, job: &str, namespace: &str, owner: &str) -> Result<Self> {
+        let deadline = Instant::now() + LIVE_LEASE_TTL + Duration::from_secs(1);
+        loop {
+            match lake
+                .take_lease(LIVE_LEASE, job, namespace, owner, LIVE_LEASE_TTL)
+                .await
+            {
+                Ok(()) => break,
+                Err(e) if e.kind() == ErrorKind::Conflict && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(e) if e.kind() == ErrorKind::Conflict => {
+                    return Err(RunnerError::new(
+                        ErrorKind::Conflict,
+                        format!("another instance of the job is running: {}", e.message()),
+                    ));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let lost = Arc::new(AtomicBool::new(false));
+        let task = {
+            let (lake, job, namespace, owner) = (
+                lake.clone(),
+                job.to_string(),
+                namespace.to_string(),
+                owner.to_string(),
+            );
+            let lost = Arc::clone(&lost);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    match lake
+                        .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
+                        .await
+                    {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == ErrorKind::Conflict => {
+                            tracing::error!(job, namespace, error = %e, "the live job's lease was taken");
+                            lost.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                        // The catalog database is down: the job stalls on it too.
+                        Err(e) => {
+                            tracing::warn!(job, namespace, error = %e, "renewing the lease failed")
+                        }
+                    }
+                }
+            })
+        };
+        Ok(Self { lost, task })
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(RunnerError::new(
+                ErrorKind::Conflict,
+                "another instance of the job took its lease: this one stops",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for LiveConfig {
@@ -128,6 +227,7 @@ impl Default for LiveConfig {
             freshness_sample_every: 8,
             key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
             fault: None,
+            instance: process_instance(),
         }
     }
 }
@@ -206,6 +306,7 @@ pub struct LiveJob {
     metrics: Arc<RunnerMetrics>,
     status: SharedStatus,
     labels: Labels,
+    lease: LeaseKeeper,
 }
 
 impl std::fmt::Debug for LiveJob {
@@ -233,6 +334,8 @@ impl LiveJob {
         let output = output_table(&spec, &namespace)?;
         lake.ensure_output_table(output).await?;
         let store = CheckpointStore::open(lake.clone(), &spec.name, &namespace).await?;
+        // One instance at a time: taken before anything is read or committed.
+        let lease = LeaseKeeper::take(&lake, &spec.name, &namespace, &config.instance).await?;
         let labels: Labels = vec![
             ("job".into(), spec.name.clone()),
             ("namespace".into(), namespace.clone()),
@@ -271,6 +374,7 @@ impl LiveJob {
             metrics,
             status,
             labels,
+            lease,
         };
         let mut pointer = job.store.pointer().await?;
         // Roll forward: a prepared checkpoint after the pointer whose sink commit exists
@@ -413,6 +517,10 @@ impl LiveJob {
             .stalled
             .get_or_create(&self.labels)
             .set(i64::from(state == "stalled"));
+        self.metrics
+            .failed
+            .get_or_create(&self.labels)
+            .set(i64::from(state == "failed"));
     }
 
     fn fault(&self, stage: FaultStage, epoch: u64) {
@@ -608,6 +716,8 @@ impl LiveJob {
         let written = self.store.write(&checkpoint).await?;
         tracing::debug!(job = %self.spec.name, epoch, bytes = written.bytes, snapshot_and_write_ms = (encoded_at - started).as_millis() + encoded_at.elapsed().as_millis(), "checkpoint written");
         self.fault(FaultStage::AfterCheckpoint, epoch);
+        // The sink commit is the commit point: never after another instance took over.
+        self.lease.check()?;
         let sink_started = Instant::now();
         let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;
         if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
@@ -860,7 +970,8 @@ impl LiveJob {
                     if e.kind() == ErrorKind::Conflict
                         && e.to_string().contains("another instance") =>
                 {
-                    self.set_state("stopped", Some(e.to_string()));
+                    tracing::error!(job = %self.spec.name, error = %e, "live job failed");
+                    self.set_state("failed", Some(e.to_string()));
                     return Err(e);
                 }
                 Err(e) => {
@@ -910,7 +1021,26 @@ impl LiveJob {
         }
         // Drain: the last epoch's outputs are committed before the job stops.
         self.step(true).await?;
+        self.release_lease().await;
         self.set_state("stopped", None);
         Ok(self)
+    }
+
+    /// Gives the lease up after a clean stop, so the next instance need not wait for it
+    /// ([`LiveJob::run`] does when it stops; after [`LiveJob::catch_up`], the caller does).
+    pub async fn release_lease(&self) {
+        self.lease.task.abort();
+        if let Err(e) = self
+            .lake
+            .release_lease(
+                LIVE_LEASE,
+                &self.spec.name,
+                &self.config.namespace,
+                &self.config.instance,
+            )
+            .await
+        {
+            tracing::warn!(job = %self.spec.name, error = %e, "could not release the lease");
+        }
     }
 }

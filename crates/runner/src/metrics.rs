@@ -51,6 +51,8 @@ pub struct RunnerMetrics {
     pub failures: Family<Labels, Counter>,
     /// 1 while the job is stalled on a failure.
     pub stalled: Family<Labels, Gauge>,
+    /// 1 once the job has failed for good (another instance took its lease).
+    pub failed: Family<Labels, Gauge>,
     /// Seconds per sink commit (outputs and late records of one epoch).
     pub sink_commit_seconds: HistogramFamily,
     /// Per-event freshness by stage, seconds (label `stage`).
@@ -96,6 +98,7 @@ impl RunnerMetrics {
             checkpoints: Family::default(),
             failures: Family::default(),
             stalled: Family::default(),
+            failed: Family::default(),
             sink_commit_seconds: hist(),
             freshness_seconds: hist(),
             records: Family::default(),
@@ -166,6 +169,11 @@ impl RunnerMetrics {
             "stalled",
             "1 while the job is stalled on a failure",
             m.stalled.clone(),
+        );
+        registry.register(
+            "failed",
+            "1 once the job has failed for good (another instance took its lease)",
+            m.failed.clone(),
         );
         registry.register(
             "sink_commit_seconds",
