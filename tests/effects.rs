@@ -13,6 +13,7 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -197,6 +198,36 @@ fn assert_exactly_once(sink: &Sink, expected: u64, what: &str) {
     assert_eq!(d["duplicates"], 0, "{what}");
 }
 
+/// A customer is told at most once per 10 minutes of window starts, although its sliding
+/// windows overlap and their starts fall in two cooldown buckets.
+fn once_per_cooldown(sink: &Sink) {
+    let d = sink.deliveries();
+    let mut by_customer: HashMap<String, Vec<i64>> = HashMap::new();
+    for x in d["deliveries"].as_array().unwrap() {
+        let recipient = x["recipient"].as_str().unwrap().to_string();
+        let message = x["message"].as_str().unwrap();
+        let start = message
+            .rsplit("from ")
+            .next()
+            .map(|t| t.trim_end_matches('.'))
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .unwrap_or_else(|| panic!("no window start in {message}"));
+        by_customer
+            .entry(recipient)
+            .or_default()
+            .push(start.timestamp());
+    }
+    for (customer, mut starts) in by_customer {
+        starts.sort_unstable();
+        for pair in starts.windows(2) {
+            assert!(
+                pair[1] - pair[0] >= 600,
+                "{customer} told twice within 10 minutes: {starts:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -211,6 +242,7 @@ fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
     let expected = count(&st, "delivered");
     assert!(expected > 50, "{st}");
     assert_exactly_once(&sink, expected, "uninterrupted");
+    once_per_cooldown(&sink);
     // Replaying the same outputs derives the same effect ids: nothing new is sent.
     ok(run_effects(&clean, &spec, &sink.url).output().unwrap());
     assert_exactly_once(&sink, expected, "replayed");

@@ -569,6 +569,7 @@ pub async fn bench(lake: Lake, n: u64, concurrency: usize, batch: usize) -> Resu
             message: "bench".into(),
             trigger_event_us: now,
             source_snapshot: 0,
+            cooldown_us: 0,
         })
         .collect();
     let recorded_at = std::time::Instant::now();

@@ -37,6 +37,9 @@ pub struct Intent {
     pub trigger_event_us: i64,
     /// Output table snapshot the notifier read it from.
     pub source_snapshot: i64,
+    /// The rule's cooldown, µs: an intent whose key already has an effect of the rule with
+    /// a window start less than this far from its own is not recorded (0: none).
+    pub cooldown_us: i64,
 }
 
 /// An effect as the ledger holds it.
@@ -152,6 +155,8 @@ impl Ledger {
             "CREATE TABLE IF NOT EXISTS sw_effect_leases (catalog_name VARCHAR(255) NOT NULL, \
              job VARCHAR(255) NOT NULL, namespace VARCHAR(255) NOT NULL, owner VARCHAR(255) NOT NULL, \
              lease_until_ms BIGINT NOT NULL, PRIMARY KEY (catalog_name, job, namespace))",
+            "CREATE INDEX IF NOT EXISTS sw_effects_by_key ON sw_effects \
+             (catalog_name, namespace, job, rule, effect_key, window_start_us)",
         ] {
             sqlx::query(ddl)
                 .execute(lake.control_pool())
@@ -281,8 +286,33 @@ impl Ledger {
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 0, $13, $14, $15) \
              ON CONFLICT (catalog_name, namespace, effect_id) DO NOTHING",
         );
+        // Once per cooldown and key: sliding windows overlap, so one burst of orders makes
+        // several windows cross the threshold, with starts in two cooldown buckets. The
+        // first recorded stands; those within the cooldown of it are not effects of their
+        // own. A replay finds the effects it made before, so it records nothing new.
+        let near = self.sql(
+            "SELECT COUNT(*) FROM sw_effects WHERE catalog_name = $1 AND namespace = $2 \
+             AND job = $3 AND rule = $4 AND effect_key = $5 \
+             AND window_start_us > $6 AND window_start_us < $7",
+        );
         let mut recorded = 0;
         for i in intents {
+            if i.cooldown_us > 0 {
+                let n: i64 = sqlx::query_scalar(&near)
+                    .bind(&self.catalog)
+                    .bind(namespace)
+                    .bind(job)
+                    .bind(&i.rule)
+                    .bind(&i.key)
+                    .bind(i.window_start_us.saturating_sub(i.cooldown_us))
+                    .bind(i.window_start_us.saturating_add(i.cooldown_us))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(|e| EffectError::sql("look for an effect within the cooldown", e))?;
+                if n > 0 {
+                    continue;
+                }
+            }
             let r = sqlx::query(&insert)
                 .bind(&self.catalog)
                 .bind(namespace)

@@ -12,7 +12,7 @@ use futures::TryStreamExt;
 use serde::Serialize;
 use signalweave_lake::{Lake, LakeTable};
 use signalweave_model::ErrorKind;
-use signalweave_window::JobSpec;
+use signalweave_window::{JobSpec, micros};
 
 use crate::error::{EffectError, Result};
 use crate::ledger::{Intent, Ledger, fault_point};
@@ -151,6 +151,7 @@ impl Notifier {
                     message,
                     trigger_event_us: last.value(row),
                     source_snapshot: snapshot,
+                    cooldown_us: micros(rule.cooldown),
                 });
             }
         }
