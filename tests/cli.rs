@@ -200,7 +200,37 @@ fn bad_input_exits_classified() {
     let missing = sw(&lake, &["load", "/nonexistent/file.ndjson"]);
     assert_eq!(missing.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+    // Commands on a lake that must be there refuse a mistyped one instead of making an
+    // empty lake and answering as if nothing were in it.
+    let typo = dir.path().join("lkae");
+    for args in [
+        &["lake", "erase", "--customer-id", "c-1", "--reason", "r"][..],
+        &["lake", "maintain"],
+        &["lake", "compact"],
+        &["lake", "expire"],
+        &["lake", "holds"],
+        &["backfill", "status"],
+        &["effects", "status"],
+    ] {
+        let out = sw(&typo, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("no lake at"),
+            "{args:?}: {out:?}"
+        );
+    }
+    assert!(!typo.exists());
     assert_eq!(sw(&lake, &["lake", "init"]).status.code(), Some(0));
+    // Flags that would break the table or spin are refused before anything runs.
+    for args in [
+        &["lake", "maintain", "--orphans-older-than", "10m"][..],
+        &["lake", "maintain", "--every", "0s"],
+        &["lake", "expire", "--retain-last", "0"],
+        &["lake", "expire", "--older-than-secs=-5"],
+    ] {
+        let out = sw(&lake, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+    }
     let bad_sql = sw(&lake, &["sql", "selec nonsense"]);
     assert_eq!(
         bad_sql.status.code(),
@@ -509,6 +539,7 @@ fn maintenance_killed_mid_way_leaves_the_table_readable_and_the_rerun_completes(
             "10",
             "--orphans-older-than",
             "0s",
+            "--allow-young-orphans",
             "--format",
             "json",
         ],

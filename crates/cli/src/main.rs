@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use signalweave_fixtures::{ExpectedFigures, Generator, WorkloadSpec};
 use signalweave_lake::{AsOf, Lake, LakeConfig, LakeError, LakeTable, LoadOptions};
@@ -153,11 +153,18 @@ enum LakeCommand {
         /// Merge manifests once the current snapshot holds this many.
         #[arg(long, default_value_t = signalweave_lake::MaintenancePolicy::DEFAULT_MIN_MANIFESTS_TO_MERGE)]
         min_manifests: usize,
-        /// Also delete unreferenced files older than this (for example `1h`).
+        /// Also delete unreferenced files older than this (at least `1h`): a file a
+        /// writer has written but not yet committed looks unreferenced.
         #[arg(long, value_parser = humantime::parse_duration)]
         orphans_older_than: Option<std::time::Duration>,
-        /// Keep running: a pass every this long (for example `60s`), one at a time, until
-        /// SIGINT or SIGTERM; a failed pass is logged and the next one tries again.
+        /// Let `--orphans-older-than` be under an hour: only while nothing writes to the
+        /// lake (a younger file may be an append in flight, and sweeping it breaks the
+        /// table).
+        #[arg(long, requires = "orphans_older_than")]
+        allow_young_orphans: bool,
+        /// Keep running: a pass every this long (at least `1s`, for example `60s`), one at
+        /// a time, until SIGINT or SIGTERM; a failed pass is logged and the next one tries
+        /// again.
         #[arg(long, value_parser = humantime::parse_duration)]
         every: Option<std::time::Duration>,
         /// Output format.
@@ -204,12 +211,13 @@ enum LakeCommand {
         /// One table (default: all).
         #[arg(long)]
         table: Option<String>,
-        /// Keep at least this many snapshots, overriding the table property (its age rule
-        /// still applies unless `--older-than-secs` is given too).
-        #[arg(long)]
-        retain_last: Option<usize>,
-        /// Expire snapshots older than this many seconds, overriding the table property.
-        #[arg(long)]
+        /// Keep at least this many snapshots (1 or more), overriding the table property
+        /// (its age rule still applies unless `--older-than-secs` is given too).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        retain_last: Option<u64>,
+        /// Expire snapshots older than this many seconds (0 or more), overriding the table
+        /// property.
+        #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
         older_than_secs: Option<i64>,
     },
     /// List the positions held against expiry (live checkpoints, backfills, notifiers);
@@ -389,7 +397,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             older_than_secs,
         }) => {
             let max_age_ms = older_than_secs.map(|s| s.saturating_mul(1000));
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let tables = tables_arg(table.as_deref())?;
             for t in tables {
                 let before = lake.snapshots(t).await?.len();
@@ -398,7 +406,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 let own = lake.retention_of(t).await?;
                 let retention = (retain_last.is_some() || max_age_ms.is_some()).then_some(
                     signalweave_lake::Retention {
-                        keep_last: retain_last.unwrap_or(1),
+                        keep_last: retain_last
+                            .map_or(1, |n| usize::try_from(n).unwrap_or(usize::MAX)),
                         max_age_ms: max_age_ms.unwrap_or(own.max_age_ms),
                     },
                 );
@@ -426,7 +435,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             min_files,
             format,
         }) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let tables = tables_arg(table.as_deref())?;
             let epoch = chrono::NaiveDate::from_ymd_opt(1970, 1, 1).unwrap_or_default();
             let policy = signalweave_lake::CompactionPolicy {
@@ -458,7 +467,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             requested_by,
             format,
         }) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let report = lake
                 .erase_customer(&signalweave_lake::ErasureRequest {
                     customer_id: customer_id.clone(),
@@ -519,10 +528,26 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             table,
             min_manifests,
             orphans_older_than,
+            allow_young_orphans,
             every,
             format,
         }) => {
-            let lake = open_lake(&cli).await?;
+            if let Some(age) = orphans_older_than
+                && *age < MIN_ORPHAN_AGE
+                && !allow_young_orphans
+            {
+                bail!(
+                    "--orphans-older-than {} is under an hour: a file a writer has written but \
+                     not yet committed (a manifest list, a data file) would be swept, and its \
+                     commit would then break the table; give 1h or more, or add \
+                     --allow-young-orphans when nothing writes to the lake",
+                    humantime::format_duration(*age)
+                );
+            }
+            if every.is_some_and(|e| e < std::time::Duration::from_secs(1)) {
+                bail!("--every must be 1s or more");
+            }
+            let lake = open_existing_lake(&cli).await?;
             let tables = tables_arg(table.as_deref())?;
             let policy = signalweave_lake::MaintenancePolicy {
                 min_manifests_to_merge: *min_manifests,
@@ -603,7 +628,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             table,
             format,
         }) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             if let Some(holder) = release {
                 let n = lake.release_holder(holder, table.as_deref()).await?;
                 if n == 0 {
@@ -825,7 +850,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             namespace,
             format,
         } => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             let spec = signalweave_window::JobSpec::from_file(job)
                 .with_context(|| format!("reading job spec {}", job.display()))?;
             let r = live::reconcile(&lake, &spec, namespace).await?;
@@ -835,16 +860,16 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Backfill(cmd) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             return backfill::run(lake, cmd).await;
         }
         Command::Reconcile(args) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             return audit::reconcile(lake, args).await;
         }
         Command::Plan(args) => return audit::plan(args).await,
         Command::Effects(cmd) => {
-            let lake = open_lake(&cli).await?;
+            let lake = open_existing_lake(&cli).await?;
             return effects::run(lake, cmd).await;
         }
         Command::NotifySink(args) => return effects::sink(args).await,
@@ -856,6 +881,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// The youngest files `lake maintain --orphans-older-than` sweeps without
+/// `--allow-young-orphans`: older than any append in flight.
+const MIN_ORPHAN_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 fn exit_code(err: &anyhow::Error) -> u8 {
     let kind = err
