@@ -231,6 +231,9 @@ fn bad_input_exits_classified() {
         let out = sw(&lake, args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
     }
+    // Nothing serving at the status URL: a dependency unavailable, exit 3.
+    let nobody = sw(&lake, &["status", "--url", "http://127.0.0.1:1"]);
+    assert_eq!(nobody.status.code(), Some(3), "{nobody:?}");
     let bad_sql = sw(&lake, &["sql", "selec nonsense"]);
     assert_eq!(
         bad_sql.status.code(),

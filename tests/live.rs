@@ -237,6 +237,25 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
         )),
         Some(400)
     );
+    // A mistyped parameter, a repeated one, an unknown path: classified, in JSON.
+    for (url, code, error) in [
+        (
+            format!("{base}/v1/jobs/strict_markets/aggregates?market=m-21"),
+            400,
+            "invalid_request",
+        ),
+        (
+            format!("{base}/v1/jobs/strict_markets/aggregates?key=m-1&key=m-2"),
+            400,
+            "invalid_request",
+        ),
+        (format!("{base}/v1/jobs/strict_markets"), 404, "not_found"),
+    ] {
+        let (got, body) = fetch(&url).unwrap();
+        assert_eq!(got, code, "{url}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{url}: {body}"));
+        assert_eq!(v["error"], error, "{url}: {body}");
+    }
     let metrics = get(&format!("{base}/metrics")).unwrap();
     for name in [
         "signalweave_job_lag_snapshots",

@@ -481,24 +481,37 @@ async fn maintenance_loop(
 /// The jobs' status of a running `up` or `run --serve` at `base` (`http://host:port`).
 pub async fn fetch_statuses(base: &str) -> Result<Vec<JobStatus>> {
     let url = format!("{}/v1/status", base.trim_end_matches('/'));
+    // Nothing answering is a dependency unavailable (exit 3), not bad input.
+    let unavailable = |e: reqwest::Error| {
+        anyhow::Error::new(signalweave_lake::LakeError::new(
+            signalweave_model::ErrorKind::Unavailable,
+            format!("GET {url}: {e}; is `signalweave up` (or `run --serve`) running there?"),
+        ))
+    };
     let body = reqwest::get(&url)
         .await
-        .with_context(|| format!("GET {url}: is `signalweave up` running?"))?
+        .map_err(unavailable)?
         .error_for_status()
-        .with_context(|| format!("GET {url}"))?
+        .map_err(unavailable)?
         .text()
-        .await?;
+        .await
+        .map_err(unavailable)?;
     serde_json::from_str(&body).with_context(|| format!("parsing {url}"))
 }
 
 /// `signalweave status`: the jobs of a running `up` or `run --serve`, as a table.
 pub async fn status(args: &StatusArgs) -> Result<ExitCode> {
     let statuses = fetch_statuses(&args.url).await?;
-    print_rows(
-        args.format,
-        &STATUS_HEADER,
-        statuses.iter().map(status_row).collect(),
-    )?;
+    if args.format == Format::Json {
+        // The statuses as the API gives them: numbers as numbers.
+        crate::outln!("{}", serde_json::to_string_pretty(&statuses)?)?;
+    } else {
+        print_rows(
+            args.format,
+            &STATUS_HEADER,
+            statuses.iter().map(status_row).collect(),
+        )?;
+    }
     let stalled = statuses
         .iter()
         .any(|s| matches!(s.state.as_str(), "stalled" | "failed"));

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, Float64Type, Int64Type, TimestampMicrosecondType};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -143,8 +144,10 @@ impl From<signalweave_lake::LakeError> for ApiError {
     }
 }
 
-/// Query of the aggregates route.
+/// Query of the aggregates route. A parameter it does not know is refused (a mistyped
+/// `key` would otherwise answer every key's windows).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AggregatesQuery {
     /// Key (absent: every key).
     pub key: Option<String>,
@@ -232,6 +235,8 @@ impl Serving {
             .route("/v1/status", get(status))
             .route("/metrics", get(metrics))
             .route("/healthz", get(|| async { "ok" }))
+            .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .with_state(self.clone())
     }
 
@@ -483,9 +488,32 @@ fn apply(
 async fn aggregates(
     State(s): State<Serving>,
     Path(job): Path<String>,
-    Query(q): Query<AggregatesQuery>,
+    query: Result<Query<AggregatesQuery>, QueryRejection>,
 ) -> Result<Json<AggregatesAnswer>, ApiError> {
+    let Query(q) = query.map_err(|r| ApiError::bad(r.body_text()))?;
     s.current(&job, &q).await.map(Json)
+}
+
+/// A path the API does not serve: 404 in the API's error shape.
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        code: "not_found",
+        message: format!(
+            "no such path: {}; the API serves /v1/jobs/{{job}}/aggregates, /v1/status, \
+             /metrics and /healthz",
+            uri.path()
+        ),
+    }
+}
+
+/// A method the path does not serve: 405 in the API's error shape.
+async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        code: "method_not_allowed",
+        message: format!("{method} is not served here: the API only answers GET"),
+    }
 }
 
 async fn status(State(s): State<Serving>) -> Json<Vec<JobStatus>> {
