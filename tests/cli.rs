@@ -204,7 +204,16 @@ fn bad_input_exits_classified() {
     // empty lake and answering as if nothing were in it.
     let typo = dir.path().join("lkae");
     for args in [
-        &["lake", "erase", "--customer-id", "c-1", "--reason", "r"][..],
+        &[
+            "lake",
+            "erase",
+            "--customer-id",
+            "c-1",
+            "--tenant",
+            "t",
+            "--reason",
+            "r",
+        ][..],
         &["lake", "maintain"],
         &["lake", "compact"],
         &["lake", "expire"],

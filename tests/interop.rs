@@ -149,6 +149,7 @@ async fn check(config: &LakeConfig) {
     let e = lake
         .erase_customer(&signalweave_lake::ErasureRequest {
             customer_id: "c-6".into(),
+            tenant: None,
             reason: "interop".into(),
             requested_by: "test".into(),
         })

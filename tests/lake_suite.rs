@@ -752,6 +752,7 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
         let report = lake
             .erase_customer(&signalweave_lake::ErasureRequest {
                 customer_id: subject.clone(),
+                tenant: None,
                 reason: "ticket-7".into(),
                 requested_by: "test".into(),
             })
@@ -842,6 +843,57 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
                 .all(|(h, t)| h.len() == 64 && !t.contains(&subject) && !h.contains(&subject))
         );
         assert!(!rows.is_empty());
+
+        // Scoped to a tenant: a customer id another tenant also uses names another person,
+        // whose events stay.
+        let mut tenants_of: std::collections::HashMap<&str, std::collections::BTreeSet<&str>> =
+            Default::default();
+        for e in &evs {
+            if let Some(c) = e.customer_id.as_deref()
+                && c != subject
+            {
+                tenants_of.entry(c).or_default().insert(e.tenant.as_str());
+            }
+        }
+        let (shared, tenants) = tenants_of
+            .iter()
+            .filter(|(_, t)| t.len() > 1)
+            .min_by_key(|(c, _)| **c)
+            .expect("a customer id in two tenants");
+        let (erased_tenant, kept_tenant) = (
+            tenants.iter().next().unwrap().to_string(),
+            tenants.iter().nth(1).unwrap().to_string(),
+        );
+        let in_tenant = |t: &str| {
+            format!(
+                "select count(*) from signalweave.events where customer_id = '{shared}' \
+                 and tenant = '{t}'"
+            )
+        };
+        let kept_before = count(&lake, &in_tenant(&kept_tenant)).await;
+        assert!(kept_before > 0 && count(&lake, &in_tenant(&erased_tenant)).await > 0);
+        let scoped = lake
+            .erase_customer(&signalweave_lake::ErasureRequest {
+                customer_id: shared.to_string(),
+                tenant: Some(erased_tenant.clone()),
+                reason: "ticket-8".into(),
+                requested_by: "test".into(),
+            })
+            .await
+            .unwrap();
+        assert!(scoped.tables[0].rows > 0, "{scoped:?}");
+        assert_eq!(
+            count(&lake, &in_tenant(&erased_tenant)).await,
+            0,
+            "{}",
+            b.name
+        );
+        assert_eq!(
+            count(&lake, &in_tenant(&kept_tenant)).await,
+            kept_before,
+            "{}",
+            b.name
+        );
     }
 }
 

@@ -195,6 +195,13 @@ enum LakeCommand {
         /// The customer to erase.
         #[arg(long)]
         customer_id: String,
+        /// The tenant whose customer it is (a customer id of another tenant names another
+        /// person); required unless `--all-tenants`.
+        #[arg(long, required_unless_present = "all_tenants")]
+        tenant: Option<String>,
+        /// Erase the customer id in every tenant.
+        #[arg(long, conflicts_with = "tenant")]
+        all_tenants: bool,
         /// Why (recorded, for example a ticket id).
         #[arg(long)]
         reason: String,
@@ -463,6 +470,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Lake(LakeCommand::Erase {
             customer_id,
+            tenant,
+            all_tenants: _,
             reason,
             requested_by,
             format,
@@ -471,6 +480,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             let report = lake
                 .erase_customer(&signalweave_lake::ErasureRequest {
                     customer_id: customer_id.clone(),
+                    tenant: tenant.clone(),
                     reason: reason.clone(),
                     requested_by: requested_by.clone(),
                 })

@@ -28,6 +28,9 @@ use crate::maintain::{MaintenancePolicy, Retention};
 pub struct ErasureRequest {
     /// The data subject: every event with this `customer_id`.
     pub customer_id: String,
+    /// Only the subject's events of this tenant (a customer id names another person in
+    /// another tenant); None: of every tenant.
+    pub tenant: Option<String>,
     /// Why (for example a ticket number); recorded.
     pub reason: String,
     /// Who asked; recorded.
@@ -88,12 +91,19 @@ impl Lake {
         };
         // Events first: their identities tell which late and rejected rows go too.
         let customer = request.customer_id.clone();
+        let tenant = request.tenant.clone();
         let mut identities: HashSet<(String, String)> = HashSet::new();
         let (events, erased) = self
             .rewrite_without(LakeTable::Events, &erasure_id, |b| {
                 let c = column(b, "customer_id")?;
+                let t = column(b, "tenant")?;
                 Ok((0..b.num_rows())
-                    .map(|i| Some(!(c.is_valid(i) && c.value(i) == customer)))
+                    .map(|i| {
+                        let theirs = c.is_valid(i)
+                            && c.value(i) == customer
+                            && tenant.as_deref().is_none_or(|want| t.value(i) == want);
+                        Some(!theirs)
+                    })
                     .collect())
             })
             .await?;
@@ -274,7 +284,13 @@ impl Lake {
     }
 
     async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
-        let subject = hex::encode(Sha256::digest(request.customer_id.as_bytes()));
+        // The subject: its customer id, within its tenant when the erasure was scoped.
+        let subject = match &request.tenant {
+            Some(t) => hex::encode(Sha256::digest(
+                format!("{t}\u{0}{}", request.customer_id).as_bytes(),
+            )),
+            None => hex::encode(Sha256::digest(request.customer_id.as_bytes())),
+        };
         let counts = serde_json::to_string(&report.tables).unwrap_or_default();
         let sql = if self.config().is_sqlite() {
             "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, requested_by, erased_ms, tables_json) VALUES (?, ?, ?, ?, ?, ?, ?)"
