@@ -353,6 +353,25 @@ fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reporte
     .unwrap();
     let sink = Sink::start(&["--ignore-idempotency-keys", "--no-lookup"]);
     crash_at(&lake, &spec, &sink.url, "during_dispatch");
+    // While a runner's lease stands (here the killed one's, for up to 5 s), reconcile
+    // keeps off what it has in flight: refused, exit 3.
+    let early = sw(&lake)
+        .args([
+            "effects",
+            "reconcile",
+            "--resend-ambiguous",
+            "--provider",
+            &sink.url,
+        ])
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert_eq!(early.status.code(), Some(3), "{early:?}");
+    assert!(
+        String::from_utf8_lossy(&early.stderr).contains("one runner at a time"),
+        "{early:?}"
+    );
     let in_flight = count(&status(&lake, &spec, "live"), "dispatching");
     assert!(in_flight >= 1);
     // The restart never resends what was in flight: it is ambiguous.

@@ -421,6 +421,27 @@ async fn reconcile(lake: &Lake, ledger: &Ledger, a: &ReconcileArgs) -> Result<Ex
     if a.target.namespace != "live" {
         bail!("only live effects are sent: a backfill namespace has nothing to reconcile");
     }
+    // The runner's lease: what a running dispatcher has in flight is not ambiguous, and
+    // resolving it here would send it twice. Refused (exit 3) while a runner holds it.
+    let owner = format!(
+        "effects-reconcile-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4()
+    );
+    ledger
+        .lease(&spec.name, "live", &owner, LEASE_TTL)
+        .await
+        .context("`effects reconcile` runs only while no `effects run` does (stop it first)")?;
+    let result = reconcile_leased(ledger, a, &spec).await;
+    ledger.release(&spec.name, "live", &owner).await?;
+    result
+}
+
+async fn reconcile_leased(
+    ledger: &Ledger,
+    a: &ReconcileArgs,
+    spec: &NotificationSpec,
+) -> Result<ExitCode> {
     let d = Arc::new(Dispatcher::new(
         ledger.clone(),
         &spec.name,

@@ -193,7 +193,10 @@ impl Dispatcher {
             // The provider never received it: sending again cannot duplicate it.
             return self.retry(effect, attempt, why);
         }
-        if self.spec.provider_idempotent && !self.spec.provider_lookup {
+        // No answer to the lookup (or none offered): a provider that honours the key makes
+        // sending again safe, so it is retried until the deadline rather than left
+        // ambiguous because the provider was briefly unreachable.
+        if self.spec.provider_idempotent {
             return self.retry(effect, attempt, why);
         }
         Self::settlement(
