@@ -602,9 +602,19 @@ fn up_runs_notifications_beside_the_live_jobs() {
     .unwrap();
     let sink = Sink::start(&[]);
     let (gw, serve) = (support::free_port(), support::free_port());
+    // Started elsewhere than the repository, with absolute paths: the notifications find
+    // their source job's spec beside the `--job` that runs it.
+    let repo = support::repo();
     let up = Proc::spawn({
         let mut c = sw(&lake);
-        c.args(["up", "--job", "jobs/customer_features.toml"])
+        c.current_dir(dir.path())
+            .arg("--schemas")
+            .arg(repo.join("catalog/events"))
+            .arg("up")
+            .arg("--job")
+            .arg(repo.join("jobs/customer_features.toml"))
+            .arg("--gateway-config")
+            .arg(repo.join("catalog/gateway/dev.toml"))
             .args(["--poll-interval", "300ms"])
             .args(["--gateway-listen", &format!("127.0.0.1:{gw}")])
             .args(["--serve-listen", &format!("127.0.0.1:{serve}")])

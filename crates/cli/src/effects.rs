@@ -167,6 +167,7 @@ pub type Stop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 pub async fn run_beside_up(
     lake: Lake,
     spec: PathBuf,
+    jobs_dir: PathBuf,
     provider: String,
     poll_interval: Duration,
     stop: Stop,
@@ -175,7 +176,7 @@ pub async fn run_beside_up(
     let args = RunArgs {
         target: SpecArgs {
             spec,
-            jobs_dir: PathBuf::from("jobs"),
+            jobs_dir,
             namespace: "live".into(),
         },
         provider: Some(provider),

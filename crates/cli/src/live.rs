@@ -366,6 +366,27 @@ pub async fn run(lake: Lake, args: &RunArgs) -> Result<ExitCode> {
 /// one process, until SIGTERM or SIGINT. The gateway drains first, then the jobs commit
 /// their last checkpoint.
 pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<ExitCode> {
+    // The notifications read their source job's spec from the directory of the `--job`
+    // that runs it, wherever `up` was started from.
+    let mut notify_jobs_dir = PathBuf::from("jobs");
+    if let Some(spec) = &args.notify {
+        let watched = signalweave_effects::NotificationSpec::from_file(spec)?
+            .source
+            .job;
+        let source = args
+            .jobs
+            .jobs
+            .iter()
+            .find(|p| JobSpec::from_file(p).is_ok_and(|s| s.name == watched));
+        match source.and_then(|p| p.parent()) {
+            Some(dir) if !dir.as_os_str().is_empty() => notify_jobs_dir = dir.to_path_buf(),
+            Some(_) => notify_jobs_dir = PathBuf::from("."),
+            None => eprintln!(
+                "warning: the notifications watch {watched}, which this `up` does not run \
+                 (add --job for it): they wait for its outputs from elsewhere"
+            ),
+        }
+    }
     let mut gw_config = gateway_config(&args.gateway_config)?;
     if let Some(listen) = args.gateway_listen {
         gw_config.listen = listen;
@@ -390,14 +411,27 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
         ))
     });
     let (stop_notify, notify_stopped) = stop_signal();
+    let notify_failed = Arc::new(tokio::sync::Notify::new());
     let notifications = match (&args.notify, &args.notify_provider) {
-        (Some(spec), Some(provider)) => Some(tokio::spawn(crate::effects::run_beside_up(
-            lake.clone(),
-            spec.clone(),
-            provider.clone(),
-            args.jobs.poll_interval,
-            Box::pin(notify_stopped),
-        ))),
+        (Some(spec), Some(provider)) => {
+            let run = crate::effects::run_beside_up(
+                lake.clone(),
+                spec.clone(),
+                notify_jobs_dir,
+                provider.clone(),
+                args.jobs.poll_interval,
+                Box::pin(notify_stopped),
+            );
+            let failed = Arc::clone(&notify_failed);
+            Some(tokio::spawn(async move {
+                let result = run.await;
+                if let Err(e) = &result {
+                    eprintln!("error: notifications failed: {e:#}");
+                    failed.notify_one();
+                }
+                result
+            }))
+        }
         _ => None,
     };
     eprintln!(
@@ -413,6 +447,9 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
         ),
         // A job that cannot go on stops the whole process, so a supervisor sees it.
         () = jobs.failed() => eprintln!("stopping: a job failed; draining the gateway"),
+        () = notify_failed.notified() => {
+            eprintln!("stopping: notifications failed; draining the gateway");
+        }
     }
     let _ = stop_maintenance.send(true);
     let drained = gateway.stop().await;
@@ -422,19 +459,21 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
     // Notifications read the last outputs, then stop (their lease given up).
     tokio::time::sleep(args.jobs.poll_interval * 2).await;
     let _ = stop_notify.send(true);
-    if let Some(n) = notifications {
-        match n.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => eprintln!("notifications stopped with an error: {e:#}"),
-            Err(e) => eprintln!("notifications task failed: {e}"),
-        }
-    }
+    let notified = match notifications {
+        Some(n) => match n.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(anyhow::anyhow!("notifications task: {e}")),
+        },
+        None => Ok(()),
+    };
     serving.stop().await;
     if let Some(m) = maintenance {
         let _ = m.await;
     }
     drained?;
     jobs_stopped?;
+    notified?;
     Ok(ExitCode::SUCCESS)
 }
 
