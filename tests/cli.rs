@@ -363,6 +363,102 @@ fn bad_input_exits_classified() {
     assert_eq!(sw(&unreachable, &["lake", "init"]).status.code(), Some(3));
 }
 
+/// An erasure killed after its rewrite and before its expiry left the subject readable in
+/// older snapshots; running it again finds them there and expires them.
+#[test]
+fn an_erasure_killed_before_its_expiry_completes_when_run_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    load_and_count(&lake);
+    let subject = "customer_id = 'c-7' and tenant = 'tenant-0'";
+    let theirs = sql_i64(
+        &lake,
+        &format!("select count(*) from signalweave.events where {subject}"),
+    );
+    assert!(theirs > 0);
+    let snapshots: Vec<serde_json::Value> = serde_json::from_str(&ok(sw(
+        &lake,
+        &["lake", "snapshots", "events", "--format", "json"],
+    )))
+    .unwrap();
+    let before = snapshots.last().unwrap()["snapshot_id"].clone();
+    let before = before
+        .as_i64()
+        .or_else(|| before.as_str().and_then(|s| s.parse().ok()))
+        .unwrap();
+    let erase = |fault: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_signalweave"));
+        c.arg("--lake").arg(&lake).args([
+            "lake",
+            "erase",
+            "--customer-id",
+            "c-7",
+            "--tenant",
+            "tenant-0",
+            "--reason",
+            "ticket-9",
+            "--format",
+            "json",
+        ]);
+        if let Some(f) = fault {
+            c.env("SIGNALWEAVE_ERASE_FAULT", f);
+        }
+        c.output().unwrap()
+    };
+    let killed = erase(Some("before_expiry"));
+    assert!(!killed.status.success(), "{killed:?}");
+    // Gone from the current snapshot, still in the one before the erasure.
+    assert_eq!(
+        sql_i64(
+            &lake,
+            &format!("select count(*) from signalweave.events where {subject}")
+        ),
+        0
+    );
+    let old = sw(
+        &lake,
+        &[
+            "sql",
+            &format!("select count(*) from signalweave.events where {subject}"),
+            "--snapshot",
+            &before.to_string(),
+            "--format",
+            "csv",
+        ],
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&old.stdout).lines().nth(1),
+        Some(theirs.to_string().as_str())
+    );
+    // Run again: the older snapshots holding the subject are expired.
+    let again = erase(None);
+    assert!(again.status.success(), "{again:?}");
+    let report: Vec<serde_json::Value> = serde_json::from_slice(&again.stdout).unwrap();
+    let expired = report
+        .iter()
+        .find(|r| r["table"] == "(old files deleted)")
+        .and_then(|r| r["snapshot"].as_str())
+        .unwrap_or_default();
+    assert!(
+        !expired.is_empty() && !expired.starts_with("0 "),
+        "{report:?}"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("older snapshots did"));
+    let old = sw(
+        &lake,
+        &[
+            "sql",
+            "select count(*) from signalweave.events",
+            "--snapshot",
+            &before.to_string(),
+        ],
+    );
+    assert!(
+        !old.status.success(),
+        "the snapshot before the erasure is gone"
+    );
+}
+
 /// kill -9 a load mid-way: whole chunks are committed and nothing partial; the rerun
 /// lands the rest and nothing twice.
 #[test]

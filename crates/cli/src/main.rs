@@ -527,6 +527,12 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         .collect::<Vec<_>>()
                         .join(", ")
                 );
+            } else if report.snapshots_expired > 0 {
+                eprintln!(
+                    "erasure {} recorded; the current snapshot held no events of this customer, \
+                     older snapshots did (an erasure stopped before its expiry): {} expired.",
+                    report.erasure_id, report.snapshots_expired
+                );
             } else {
                 eprintln!(
                     "erasure {} recorded; no events of this customer were found.",

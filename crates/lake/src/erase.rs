@@ -130,6 +130,31 @@ impl Lake {
                 }
             }
         }
+        // The subject may still be in the files of older snapshots only: an erasure killed
+        // after its rewrite and before its expiry left them. Their rows name identities
+        // too, and their presence makes the expiry below necessary.
+        let mut in_history = false;
+        for b in self
+            .history_rows(LakeTable::Events, |b| {
+                let c = column(b, "customer_id")?;
+                let t = column(b, "tenant")?;
+                Ok((0..b.num_rows())
+                    .map(|i| {
+                        c.is_valid(i)
+                            && c.value(i) == customer
+                            && tenant.as_deref().is_none_or(|want| t.value(i) == want)
+                    })
+                    .collect())
+            })
+            .await?
+        {
+            in_history = true;
+            let ids = column(&b, "event_id")?;
+            let tenants = column(&b, "tenant")?;
+            for i in 0..b.num_rows() {
+                identities.insert((tenants.value(i).to_string(), ids.value(i).to_string()));
+            }
+        }
         report.tables.push(events);
         for table in [LakeTable::LateEvents, LakeTable::Rejections] {
             let ids = &identities;
@@ -149,10 +174,14 @@ impl Lake {
                 .await?;
             report.tables.push(t);
         }
+        if std::env::var("SIGNALWEAVE_ERASE_FAULT").as_deref() == Ok("before_expiry") {
+            eprintln!("fault drill: stopping after the rewrite, before the expiry");
+            std::process::abort();
+        }
         // Expire every snapshot before the erasure, whatever holds it, and delete the
         // files only they referenced: the old files with the subject's values.
         for t in &report.tables {
-            if t.snapshot_id.is_none() {
+            if t.snapshot_id.is_none() && !in_history {
                 continue;
             }
             let table = LakeTable::from_name(&t.table)?;
@@ -281,6 +310,48 @@ impl Lake {
                 table.name()
             ),
         ))
+    }
+
+    /// The rows `hit` selects in the data files that only older retained snapshots of
+    /// `table` reference (not the current one).
+    async fn history_rows(
+        &self,
+        table: LakeTable,
+        hit: impl Fn(&RecordBatch) -> Result<Vec<bool>>,
+    ) -> Result<Vec<RecordBatch>> {
+        let current = self.current_data_files(table).await?;
+        let Some(latest) = self.snapshots(table).await?.last().map(|s| s.snapshot_id) else {
+            return Ok(Vec::new());
+        };
+        let mut seen: HashSet<String> = HashSet::new();
+        let mut tasks = Vec::new();
+        for snap in self.snapshots(table).await? {
+            if snap.snapshot_id == latest {
+                continue;
+            }
+            let plan = self
+                .plan_time_range(table, i64::MIN, i64::MAX, Some(snap.snapshot_id))
+                .await?;
+            for task in plan.tasks {
+                if !current.contains(&task.data_file_path)
+                    && seen.insert(task.data_file_path.clone())
+                {
+                    tasks.push(task);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for task in tasks {
+            for b in on_table_schema(table, self.read_all(table, vec![task]).await?)? {
+                let mask = BooleanArray::from(hit(&b)?);
+                let rows = arrow::compute::filter_record_batch(&b, &mask)
+                    .map_err(|e| LakeError::new(ErrorKind::Internal, format!("filter: {e}")))?;
+                if rows.num_rows() > 0 {
+                    out.push(rows);
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
