@@ -525,6 +525,50 @@ fn a_misbehaving_provider_and_a_backfill_namespace() {
     assert_eq!(sink.deliveries()["requests"].as_u64().unwrap(), requests);
     sink.stop();
 
+    // Expiry is per namespace: the backfill's effects, made old, go; the live effects and
+    // their attempts (the same effect ids) stay.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let figures = || {
+        rt.block_on(async {
+            let l = signalweave_lake::Lake::open(signalweave_lake::LakeConfig::embedded(&lake))
+                .await
+                .unwrap();
+            let n = |sql: &'static str| {
+                let pool = l.control_pool().clone();
+                async move {
+                    sqlx::query_scalar::<_, i64>(sql)
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap()
+                }
+            };
+            (
+                n("SELECT COUNT(*) FROM sw_effects WHERE namespace = 'live'").await,
+                n("SELECT COUNT(*) FROM sw_effect_attempts WHERE namespace = 'live'").await,
+                n("SELECT COUNT(*) FROM sw_effects WHERE namespace = 'replay'").await,
+            )
+        })
+    };
+    let (live, live_attempts, replay) = figures();
+    assert!(live > 0 && live_attempts > 0 && replay > 0);
+    rt.block_on(async {
+        let l = signalweave_lake::Lake::open(signalweave_lake::LakeConfig::embedded(&lake))
+            .await
+            .unwrap();
+        sqlx::query("UPDATE sw_effects SET created_ms = 0 WHERE namespace = 'replay'")
+            .execute(l.control_pool())
+            .await
+            .unwrap();
+    });
+    ok(sw(&lake)
+        .args(["effects", "expire", "--namespace", "replay"])
+        .output()
+        .unwrap());
+    assert_eq!(figures(), (live, live_attempts, 0));
+
     // Bad input: a classified error.
     let bad = dir.path().join("bad.toml");
     std::fs::write(

@@ -149,9 +149,12 @@ pub async fn run(lake: Lake, cmd: &EffectsCommand) -> Result<ExitCode> {
             let (spec, _) = load(&lake, &a.target).await?;
             let cutoff =
                 chrono::Utc::now().timestamp_millis() - spec.ledger.retention.as_millis() as i64;
-            let n = ledger.expire(&spec.name, cutoff).await?;
+            let n = ledger
+                .expire(&spec.name, &a.target.namespace, cutoff)
+                .await?;
             outln!(
-                "expired {n} settled effects older than {}",
+                "expired {n} settled effects of `{}` older than {}",
+                a.target.namespace,
                 humantime::format_duration(spec.ledger.retention)
             )?;
             Ok(ExitCode::SUCCESS)

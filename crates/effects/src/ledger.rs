@@ -608,25 +608,32 @@ impl Ledger {
         Ok(n == 1)
     }
 
-    /// Deletes settled effects (and their attempts) created before `older_than_ms`.
-    /// Returns how many effects went.
-    pub async fn expire(&self, job: &str, older_than_ms: i64) -> Result<u64> {
+    /// Deletes the settled effects of `job` in `namespace` (and their attempts) created
+    /// before `older_than_ms`. Returns how many effects went.
+    pub async fn expire(&self, job: &str, namespace: &str, older_than_ms: i64) -> Result<u64> {
         let settled = "('delivered', 'reconciled', 'failed', 'would_send')";
+        // Attempts are matched by namespace too: a backfill namespace's effect ids are the
+        // live ones (the same windows), and the live attempts stay.
         sqlx::query(&self.sql(&format!(
-            "DELETE FROM sw_effect_attempts WHERE catalog_name = $1 AND effect_id IN \
-             (SELECT effect_id FROM sw_effects WHERE catalog_name = $2 AND job = $3 AND created_ms < $4 AND state IN {settled})"
+            "DELETE FROM sw_effect_attempts WHERE catalog_name = $1 AND namespace = $2 \
+             AND effect_id IN (SELECT effect_id FROM sw_effects WHERE catalog_name = $3 \
+             AND namespace = $4 AND job = $5 AND created_ms < $6 AND state IN {settled})"
         )))
         .bind(&self.catalog)
+        .bind(namespace)
         .bind(&self.catalog)
+        .bind(namespace)
         .bind(job)
         .bind(older_than_ms)
         .execute(self.lake.control_pool())
         .await
         .map_err(|e| EffectError::sql("expire attempts", e))?;
         let n = sqlx::query(&self.sql(&format!(
-            "DELETE FROM sw_effects WHERE catalog_name = $1 AND job = $2 AND created_ms < $3 AND state IN {settled}"
+            "DELETE FROM sw_effects WHERE catalog_name = $1 AND namespace = $2 AND job = $3 \
+             AND created_ms < $4 AND state IN {settled}"
         )))
         .bind(&self.catalog)
+        .bind(namespace)
         .bind(job)
         .bind(older_than_ms)
         .execute(self.lake.control_pool())
