@@ -426,6 +426,55 @@ fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reporte
     sink.stop();
 }
 
+/// A provider down longer than the deadline: the effects fail, reconcile says so (exit 1),
+/// and `--retry-failed` sends each once.
+#[test]
+fn failed_effects_are_reported_and_sent_again_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let spec = dir.path().join("notifications.toml");
+    std::fs::write(
+        &spec,
+        std::fs::read_to_string(shipped_spec())
+            .unwrap()
+            .replace("deadline = \"60s\"", "deadline = \"1s\""),
+    )
+    .unwrap();
+    // Nothing listens on port 9: every attempt fails until the deadline.
+    ok(run_effects(&lake, &spec, "http://127.0.0.1:9")
+        .output()
+        .unwrap());
+    let st = status(&lake, &spec, "live");
+    let failed = count(&st, "failed");
+    assert!(failed > 50 && count(&st, "delivered") == 0, "{st}");
+    let sink = Sink::start(&[]);
+    let reconcile = |retry: bool| {
+        let mut c = sw(&lake);
+        c.args(["effects", "reconcile", "--format", "json"])
+            .args(["--provider", &sink.url])
+            .arg("--spec")
+            .arg(&spec);
+        if retry {
+            c.arg("--retry-failed");
+        }
+        c.output().unwrap()
+    };
+    let told = reconcile(false);
+    assert_eq!(told.status.code(), Some(1), "{told:?}");
+    let v: Value = serde_json::from_slice(&told.stdout).unwrap();
+    assert_eq!(v["failed_left"], failed, "{v}");
+    let retried = reconcile(true);
+    assert_eq!(retried.status.code(), Some(0), "{retried:?}");
+    let v: Value = serde_json::from_slice(&retried.stdout).unwrap();
+    assert_eq!(
+        (v["failed_retried"].as_u64(), v["failed_left"].as_u64()),
+        (Some(failed), Some(0)),
+        "{v}"
+    );
+    assert_exactly_once(&sink, failed, "retried");
+    sink.stop();
+}
+
 #[test]
 fn a_misbehaving_provider_and_a_backfill_namespace() {
     let dir = tempfile::tempdir().unwrap();

@@ -103,6 +103,10 @@ pub struct ReconcileArgs {
     /// more: at most one duplicate each, counted below).
     #[arg(long)]
     pub resend_ambiguous: bool,
+    /// Send the `failed` effects again, with a new deadline (after a provider outage
+    /// longer than the deadline).
+    #[arg(long)]
+    pub retry_failed: bool,
     /// `table` or `json`.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -502,7 +506,12 @@ async fn reconcile_leased(
             None => unresolved += 1,
         }
     }
-    if resend > 0 {
+    let retried = if a.retry_failed {
+        ledger.retry_failed(&spec.name).await?
+    } else {
+        0
+    };
+    if resend + retried > 0 {
         d.until_settled(spec.dispatch.deadline).await?;
     }
     let ours: std::collections::HashSet<String> = ledger
@@ -521,11 +530,14 @@ async fn reconcile_leased(
     });
     let counts = ledger.counts(&spec.name, "live").await?;
     let left = counts.get(state::AMBIGUOUS).copied().unwrap_or(0);
+    let failed = counts.get(state::FAILED).copied().unwrap_or(0);
     let summary = serde_json::json!({
         "resolved_delivered": delivered,
         "sent_again": resend,
         "unresolved": unresolved,
         "ambiguous_left": left,
+        "failed_retried": retried,
+        "failed_left": failed,
         "duplicates_seen_by_provider": duplicates,
         "counts": counts,
     });
@@ -539,6 +551,11 @@ async fn reconcile_leased(
                 vec!["resolved: delivered".into(), delivered.to_string()],
                 vec!["sent again".into(), resend.to_string()],
                 vec!["still ambiguous".into(), left.to_string()],
+                vec!["failed, sent again".into(), retried.to_string()],
+                vec![
+                    "failed (--retry-failed sends them again)".into(),
+                    failed.to_string(),
+                ],
                 vec![
                     "duplicates seen by the provider".into(),
                     duplicates
@@ -548,11 +565,13 @@ async fn reconcile_leased(
             ],
         )?;
     }
-    Ok(if left == 0 && duplicates.unwrap_or(0) == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(
+        if left == 0 && failed == 0 && duplicates.unwrap_or(0) == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        },
+    )
 }
 
 /// `signalweave notify-sink`: until SIGTERM/SIGINT.

@@ -608,6 +608,31 @@ impl Ledger {
         Ok(n == 1)
     }
 
+    /// Moves the live `failed` effects of `job` back to `intended` with a new deadline (an
+    /// operator's retry after an outage longer than the deadline). Safe: a failed effect
+    /// was refused, never sent, or sent again with its key to a provider that honours
+    /// keys. Returns how many.
+    pub async fn retry_failed(&self, job: &str) -> Result<u64> {
+        let now = now_ms();
+        let n = sqlx::query(&self.sql(
+            "UPDATE sw_effects SET state = $1, first_attempt_ms = NULL, next_attempt_ms = $2, \
+             updated_ms = $3, last_error = $4 \
+             WHERE catalog_name = $5 AND namespace = 'live' AND job = $6 AND state = $7",
+        ))
+        .bind(state::INTENDED)
+        .bind(now)
+        .bind(now)
+        .bind("sent again by the operator after failing")
+        .bind(&self.catalog)
+        .bind(job)
+        .bind(state::FAILED)
+        .execute(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("retry failed effects", e))?
+        .rows_affected();
+        Ok(n)
+    }
+
     /// Deletes the settled effects of `job` in `namespace` (and their attempts) created
     /// before `older_than_ms`. Returns how many effects went.
     pub async fn expire(&self, job: &str, namespace: &str, older_than_ms: i64) -> Result<u64> {
