@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashSet};
 use arrow::array::{Array, AsArray, BooleanArray};
 use arrow::datatypes::TimestampMicrosecondType;
 use arrow_array::RecordBatch;
-use iceberg::spec::Operation;
+use iceberg::spec::{DataFile, Operation};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use signalweave_model::ErrorKind;
@@ -204,6 +204,11 @@ impl Lake {
 
     /// Rewrites every data file of `table` holding a row `keep` rejects, without those
     /// rows, in one overwrite commit. Returns the removed rows.
+    ///
+    /// Appends go on meanwhile (the gateway commits every second), so a lost race does not
+    /// start over: the files already read stay read, the rows already rewritten stay
+    /// written, and only the files appended since are read before the next try. Only when
+    /// a file it would replace is gone (a compaction replaced it) does it start over.
     async fn rewrite_without(
         &self,
         table: LakeTable,
@@ -214,20 +219,59 @@ impl Lake {
             table: table.name().to_string(),
             ..Default::default()
         };
+        let mut examined: HashSet<String> = HashSet::new();
+        let mut removed: HashSet<String> = HashSet::new();
+        let mut bytes_removed = 0u64;
+        let mut rows_removed_files = 0u64;
+        let mut pending: Vec<RecordBatch> = Vec::new();
+        let mut added: Vec<DataFile> = Vec::new();
+        let mut erased: Vec<RecordBatch> = Vec::new();
+        let mut writes = 0u64;
+        let mut io = None;
+        let discard = |io: &Option<iceberg::io::FileIO>, added: &[DataFile]| {
+            let (io, paths) = (
+                io.clone(),
+                added
+                    .iter()
+                    .map(|f| f.file_path().to_string())
+                    .collect::<Vec<_>>(),
+            );
+            async move {
+                if let Some(io) = io {
+                    for p in paths {
+                        let _ = io.delete(&p).await;
+                    }
+                }
+            }
+        };
         for _ in 0..CONFLICT_ATTEMPTS {
             let base = self.table(table).await?;
+            io = Some(base.file_io().clone());
             let Some(current) = base.metadata().current_snapshot_id() else {
                 return Ok((out, Vec::new()));
             };
             let plan = self
                 .plan_time_range(table, i64::MIN, i64::MAX, Some(current))
                 .await?;
-            let mut removed: HashSet<String> = HashSet::new();
-            let mut bytes_removed = 0u64;
-            let mut kept: Vec<RecordBatch> = Vec::new();
-            let mut erased: Vec<RecordBatch> = Vec::new();
-            let mut rows_removed_files = 0u64;
+            let live: HashSet<&str> = plan
+                .tasks
+                .iter()
+                .map(|t| t.data_file_path.as_str())
+                .collect();
+            if removed.iter().any(|p| !live.contains(p.as_str())) {
+                // A file to replace was replaced by someone else: start over.
+                discard(&io, &added).await;
+                examined.clear();
+                removed.clear();
+                (bytes_removed, rows_removed_files) = (0, 0);
+                pending.clear();
+                added.clear();
+                erased.clear();
+            }
             for task in plan.tasks {
+                if !examined.insert(task.data_file_path.clone()) {
+                    continue;
+                }
                 let path = task.data_file_path.clone();
                 let size = task.file_size_in_bytes;
                 let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
@@ -254,22 +298,24 @@ impl Lake {
                     removed.insert(path);
                     bytes_removed += size;
                     rows_removed_files += rows;
-                    kept.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
+                    pending.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
                 }
             }
             if removed.is_empty() {
                 return Ok((out, Vec::new()));
             }
-            let rows_kept: u64 = kept.iter().map(|b| b.num_rows() as u64).sum();
-            let mut added = Vec::new();
-            if rows_kept > 0 {
-                let identity = CommitIdentity::new(format!("{erasure_id}-{}", table.name()), 0);
+            if !pending.is_empty() {
+                let identity =
+                    CommitIdentity::new(format!("{erasure_id}-{}", table.name()), writes);
+                writes += 1;
                 let mut w = self.append_writer(table, &identity).await?;
-                for b in &kept {
+                for b in &pending {
                     w.write(b).await?;
                 }
-                added = w.finish().await?.into_files();
+                added.extend(w.finish().await?.into_files());
+                pending.clear();
             }
+            let rows_kept: u64 = added.iter().map(|f| f.record_count()).sum();
             let stats = RewriteStats {
                 operation: if added.is_empty() {
                     Operation::Delete
@@ -293,16 +339,17 @@ impl Lake {
                     out.snapshot_id = Some(id);
                     return Ok((out, erased));
                 }
+                // Lost the race to an append: read what it added, then try again.
+                Err(e) if e.kind() == ErrorKind::Conflict => {
+                    tracing::debug!(table = table.name(), "erasure lost a race; rebasing");
+                }
                 Err(e) => {
-                    for f in &added {
-                        let _ = base.file_io().delete(f.file_path()).await;
-                    }
-                    if e.kind() != ErrorKind::Conflict {
-                        return Err(e);
-                    }
+                    discard(&io, &added).await;
+                    return Err(e);
                 }
             }
         }
+        discard(&io, &added).await;
         Err(LakeError::new(
             ErrorKind::Conflict,
             format!(
