@@ -205,6 +205,8 @@ fn once_per_cooldown(sink: &Sink) {
     let mut by_customer: HashMap<String, Vec<i64>> = HashMap::new();
     for x in d["deliveries"].as_array().unwrap() {
         let recipient = x["recipient"].as_str().unwrap().to_string();
+        // A customer is a tenant's: the key names both, so tenants never share one.
+        assert!(recipient.starts_with("tenant-"), "{recipient}");
         let message = x["message"].as_str().unwrap();
         let start = message
             .rsplit("from ")

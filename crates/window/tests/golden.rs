@@ -89,7 +89,9 @@ fn render(job: &str, dictionary: bool) -> String {
     .unwrap();
     let whales: Vec<String> = (0..10).map(|i| format!("c-{i}")).collect();
     for r in rows {
-        if job == "customer_features" && !whales.contains(&r.key.to_string()) {
+        // customer_features is keyed by `tenant|customer_id`: the whales of every tenant.
+        let customer = r.key.rsplit('|').next().unwrap_or_default().to_string();
+        if job == "customer_features" && !whales.contains(&customer) {
             continue;
         }
         let values: Vec<String> = r
