@@ -474,6 +474,24 @@ fn failed_effects_are_reported_and_sent_again_on_request() {
         "{v}"
     );
     assert_exactly_once(&sink, failed, "retried");
+
+    // A new notification job started at the latest output notifies none of the history.
+    let fresh = dir.path().join("fresh.toml");
+    std::fs::write(
+        &fresh,
+        std::fs::read_to_string(&spec)
+            .unwrap()
+            .replace("name = \"notifications\"", "name = \"notifications_fresh\""),
+    )
+    .unwrap();
+    let mut c = run_effects(&lake, &fresh, &sink.url);
+    c.args(["--start-at", "latest"]);
+    let out = c.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("first start at the latest"));
+    let st = status(&lake, &fresh, "live");
+    assert_eq!(count(&st, "delivered") + count(&st, "intended"), 0, "{st}");
+    assert_exactly_once(&sink, failed, "nothing more sent");
     sink.stop();
 }
 

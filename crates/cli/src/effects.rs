@@ -71,6 +71,21 @@ pub struct RunArgs {
     /// lease lapses 5 s after its last heartbeat).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
     pub lease_wait: Duration,
+    /// Where a notifier that has never run starts: `earliest`, every retained output (a
+    /// backfill namespace, or a replay), or `latest`, only outputs committed from now on
+    /// (a new notification job beside a live job with history). Ignored once it has a
+    /// position.
+    #[arg(long, value_enum, default_value_t = StartAt::Earliest)]
+    pub start_at: StartAt,
+}
+
+/// See [`RunArgs::start_at`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StartAt {
+    /// Every retained output.
+    Earliest,
+    /// Outputs committed from now on.
+    Latest,
 }
 
 /// A runner's lease lapses this long after its last renewal.
@@ -192,6 +207,7 @@ pub async fn run_beside_up(
         until_settled: false,
         settle_timeout: Duration::from_secs(30),
         lease_wait: Duration::from_secs(10),
+        start_at: StartAt::Earliest,
     };
     run_job(lake, ledger, &args, stop).await
 }
@@ -258,6 +274,12 @@ async fn run_leased(
         &a.target.namespace,
     )
     .await?;
+    if a.start_at == StartAt::Latest && notifier.start_at_latest().await? {
+        eprintln!(
+            "effects: first start at the latest output snapshot: outputs already there are not \
+             notified"
+        );
+    }
     let dispatcher = if notifier.dry() {
         None
     } else {

@@ -158,6 +158,46 @@ impl Notifier {
         Ok(batch.num_rows() as u64)
     }
 
+    /// On a notifier's first start (no position yet), takes the output table's current
+    /// snapshot as its position without recording any intent: what is already there is not
+    /// notified, only what comes next. Returns whether it set the position.
+    pub async fn start_at_latest(&self) -> Result<bool> {
+        let from = self
+            .ledger
+            .position(&self.spec.name, &self.namespace)
+            .await?;
+        if from.is_some() {
+            return Ok(false);
+        }
+        let Some(latest) = self
+            .lake
+            .snapshots(self.table)
+            .await?
+            .last()
+            .map(|s| s.snapshot_id)
+        else {
+            return Ok(false);
+        };
+        self.ledger
+            .commit_intents(
+                &self.spec.name,
+                &self.namespace,
+                None,
+                latest,
+                &[],
+                self.dry(),
+            )
+            .await?;
+        self.lake
+            .hold_snapshot(
+                self.table,
+                &format!("effects:{}:{}", self.spec.name, self.namespace),
+                latest,
+            )
+            .await?;
+        Ok(true)
+    }
+
     /// Reads the output snapshots after the position (at most `max_snapshots`) and records
     /// their intents with the new position. Returns what it did (nothing when caught up).
     pub async fn step(&self, max_snapshots: usize) -> Result<NotifyStep> {
