@@ -1500,9 +1500,13 @@ impl WindowEngine {
                 retractions.push((s, old));
             }
         }
+        // The new session is closed only once the watermark has passed its end: merging
+        // with a session already emitted on time does not make it final, since more events
+        // may still extend it. (Its predecessors' versions are retracted below.)
+        let _ = any_closed;
         let meta = WindowMeta {
             dirty: true,
-            closed: any_closed || wm >= end,
+            closed: wm >= end,
             ..WindowMeta::default()
         };
         let closed = meta.closed;

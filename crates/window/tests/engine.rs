@@ -193,6 +193,64 @@ fn late_event_bridging_two_sessions_retracts_both() {
     assert_versions_strictly_increase(&all);
 }
 
+/// A record that extends a session already emitted on time, into a session whose end the
+/// watermark has not reached: the new session is still open. It is not labelled
+/// `corrected` (final); it gets its `on_time` version once the watermark passes its end.
+#[test]
+fn a_session_extended_past_the_watermark_stays_open_until_it_closes() {
+    let spec = spec("kind = \"session\"\ngap = \"5m\"", "0s", "1h", None);
+    let mut e = engine(&spec);
+    let mut out = Run::default();
+    step(
+        &mut e,
+        &[rec("a", 0, "1", 1), rec("a", M, "2", 2)],
+        0,
+        &mut out,
+    );
+    // Watermark 8 min: [0, 6m) fires on time.
+    step(&mut e, &[rec("b", 8 * M, "x", 0)], S, &mut out);
+    let first: Vec<_> = out.rows.iter().filter(|r| &*r.key == "a").collect();
+    assert_eq!(first.len(), 1);
+    assert_eq!(
+        (first[0].window_end, first[0].completeness),
+        (6 * M, Completeness::OnTime)
+    );
+    // 4 min extends it to [0, 9m), which ends after the watermark (8 min).
+    let mut more = Run::default();
+    step(&mut e, &[rec("a", 4 * M, "3", 4)], 2 * S, &mut more);
+    assert!(
+        more.rows
+            .iter()
+            .filter(|r| &*r.key == "a" && !r.retracted)
+            .all(|r| r.completeness != Completeness::Corrected),
+        "{:?}",
+        more.rows
+    );
+    // Watermark 20 min: the session closes, on time, with its three events.
+    let mut later = Run::default();
+    step(&mut e, &[rec("b", 20 * M, "y", 0)], 3 * S, &mut later);
+    let closed: Vec<_> = later
+        .rows
+        .iter()
+        .filter(|r| &*r.key == "a" && !r.retracted)
+        .collect();
+    assert_eq!(closed.len(), 1, "{:?}", later.rows);
+    assert_eq!(
+        (
+            closed[0].window_start,
+            closed[0].window_end,
+            closed[0].events,
+            closed[0].completeness
+        ),
+        (0, 9 * M, 3, Completeness::OnTime)
+    );
+    let mut all = out.rows.clone();
+    all.extend(more.rows);
+    all.extend(later.rows);
+    all.extend(e.finish(4 * S).rows());
+    assert_versions_strictly_increase(&all);
+}
+
 #[test]
 fn null_keys_go_to_the_late_output_with_their_reason() {
     let spec = spec("kind = \"tumbling\"\nsize = \"1m\"", "0s", "1h", None);
