@@ -1490,12 +1490,10 @@ impl WindowEngine {
         // of a new identity; those already emitted are retracted.
         let mut acc = SessionAcc::from_slice(&self.empty_acc);
         layout.merge(&mut acc, delta);
-        let mut any_closed = false;
         let mut retractions = Vec::new();
         // Newest first: the order their retractions are emitted in.
         for (s, old) in sessions.drain(lo..hi).rev() {
             layout.merge(&mut acc, &old.acc);
-            any_closed |= old.meta.closed;
             if old.meta.version > 0 {
                 retractions.push((s, old));
             }
@@ -1503,7 +1501,6 @@ impl WindowEngine {
         // The new session is closed only once the watermark has passed its end: merging
         // with a session already emitted on time does not make it final, since more events
         // may still extend it. (Its predecessors' versions are retracted below.)
-        let _ = any_closed;
         let meta = WindowMeta {
             dirty: true,
             closed: wm >= end,
