@@ -728,22 +728,7 @@ fn print_comparison(format: Format, c: &compare::Comparison) -> Result<()> {
                 },
             )
         };
-        print_rows(
-            format,
-            &["kind", "key", "window_start", "current", "namespace"],
-            c.differences
-                .iter()
-                .map(|d| {
-                    vec![
-                        d.kind.to_string(),
-                        d.key.clone(),
-                        d.window_start.clone(),
-                        show(&d.current),
-                        show(&d.namespace),
-                    ]
-                })
-                .collect(),
-        )?;
+        print_rows(format, &DIFFERENCE_HEADER, difference_rows(c, show))?;
         if c.truncated {
             outln!("(more differences not listed: raise --limit)")?;
         }
@@ -778,22 +763,28 @@ fn print_differences_csv(c: &compare::Comparison) -> Result<()> {
             .map(|m| serde_json::to_string(m).unwrap_or_default())
             .unwrap_or_default()
     };
-    print_rows(
-        Format::Csv,
-        &["kind", "key", "window_start", "current", "namespace"],
-        c.differences
-            .iter()
-            .map(|d| {
-                vec![
-                    d.kind.to_string(),
-                    d.key.clone(),
-                    d.window_start.clone(),
-                    json(&d.current),
-                    json(&d.namespace),
-                ]
-            })
-            .collect(),
-    )
+    print_rows(Format::Csv, &DIFFERENCE_HEADER, difference_rows(c, json))
+}
+
+const DIFFERENCE_HEADER: [&str; 5] = ["kind", "key", "window_start", "current", "namespace"];
+
+/// One row per differing window, its two sides' figures written by `show`.
+fn difference_rows(
+    c: &compare::Comparison,
+    show: impl Fn(&Option<std::collections::BTreeMap<String, Option<String>>>) -> String,
+) -> Vec<Vec<String>> {
+    c.differences
+        .iter()
+        .map(|d| {
+            vec![
+                d.kind.to_string(),
+                d.key.clone(),
+                d.window_start.clone(),
+                show(&d.current),
+                show(&d.namespace),
+            ]
+        })
+        .collect()
 }
 
 /// Records per second over the done sub-ranges.

@@ -367,15 +367,14 @@ impl Lake {
         hit: impl Fn(&RecordBatch) -> Result<Vec<bool>>,
     ) -> Result<Vec<RecordBatch>> {
         let current = self.current_data_files(table).await?;
-        let Some(latest) = self.snapshots(table).await?.last().map(|s| s.snapshot_id) else {
+        let mut snapshots = self.snapshots(table).await?;
+        // The newest is the current one: its files are `current`.
+        if snapshots.pop().is_none() {
             return Ok(Vec::new());
-        };
+        }
         let mut seen: HashSet<String> = HashSet::new();
         let mut tasks = Vec::new();
-        for snap in self.snapshots(table).await? {
-            if snap.snapshot_id == latest {
-                continue;
-            }
+        for snap in snapshots {
             let plan = self
                 .plan_time_range(table, i64::MIN, i64::MAX, Some(snap.snapshot_id))
                 .await?;
