@@ -508,17 +508,8 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
         "read {read} s, engine {engine} s, throttled {throttled} s"
     );
     ok(backfill_cmd(&lake, "abort", "steered"));
-    let status_code = {
-        let mut child = runner.child;
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s.code();
-            }
-            assert!(Instant::now() < deadline, "abort was not obeyed");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let mut runner = runner;
+    let status_code = runner.wait_exit(Duration::from_secs(15), "abort");
     assert_eq!(status_code, Some(1), "an aborted backfill exits 1");
     let s = status(&lake, "steered");
     assert_eq!(s["backfill"]["state"], "aborted", "{s}");
@@ -538,20 +529,7 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
                 .any(|s| s["state"] == "done")
         })
     });
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &signalled.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
-    let mut child = signalled.child;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        assert!(Instant::now() < deadline, "SIGTERM was not obeyed");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let code = signalled.stop_with("-TERM", Duration::from_secs(10));
     assert_eq!(code, Some(1), "an interrupted backfill exits 1");
     let s = status(&lake, "signalled");
     assert_eq!(s["backfill"]["state"], "paused", "{s}");

@@ -183,6 +183,18 @@ fn shipped_spec() -> PathBuf {
 }
 
 /// Every key delivered once; the delivered keys are exactly the ledger's effects.
+/// The shipped notification spec with `changes` made, written into `dir`.
+fn spec_with(dir: &Path, changes: &[(&str, &str)]) -> PathBuf {
+    let mut text = std::fs::read_to_string(shipped_spec()).unwrap();
+    for (from, to) in changes {
+        assert!(text.contains(from), "the shipped spec has no `{from}`");
+        text = text.replace(from, to);
+    }
+    let spec = dir.join("notifications.toml");
+    std::fs::write(&spec, text).unwrap();
+    spec
+}
+
 fn assert_exactly_once(sink: &Sink, expected: u64, what: &str) {
     let d = sink.deliveries();
     let deliveries = d["deliveries"].as_array().unwrap();
@@ -344,15 +356,13 @@ fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reporte
     let dir = tempfile::tempdir().unwrap();
     let lake = landed(dir.path());
     // The provider neither honours idempotency keys nor answers lookups.
-    let spec = dir.path().join("notifications.toml");
-    std::fs::write(
-        &spec,
-        std::fs::read_to_string(shipped_spec())
-            .unwrap()
-            .replace("provider_lookup = true", "provider_lookup = false")
-            .replace("provider_idempotent = true", "provider_idempotent = false"),
-    )
-    .unwrap();
+    let spec = spec_with(
+        dir.path(),
+        &[
+            ("provider_lookup = true", "provider_lookup = false"),
+            ("provider_idempotent = true", "provider_idempotent = false"),
+        ],
+    );
     let sink = Sink::start(&["--ignore-idempotency-keys", "--no-lookup"]);
     crash_at(&lake, &spec, &sink.url, "during_dispatch");
     // While a runner's lease stands (here the killed one's, for up to 5 s), reconcile
@@ -434,14 +444,7 @@ fn a_provider_without_idempotency_sees_at_most_one_duplicate_counted_and_reporte
 fn failed_effects_are_reported_and_sent_again_on_request() {
     let dir = tempfile::tempdir().unwrap();
     let lake = landed(dir.path());
-    let spec = dir.path().join("notifications.toml");
-    std::fs::write(
-        &spec,
-        std::fs::read_to_string(shipped_spec())
-            .unwrap()
-            .replace("deadline = \"60s\"", "deadline = \"1s\""),
-    )
-    .unwrap();
+    let spec = spec_with(dir.path(), &[("deadline = \"60s\"", "deadline = \"1s\"")]);
     // Nothing listens on port 9: every attempt fails until the deadline.
     ok(run_effects(&lake, &spec, "http://127.0.0.1:9")
         .output()
@@ -705,14 +708,7 @@ fn up_runs_notifications_beside_the_live_jobs() {
     let dir = tempfile::tempdir().unwrap();
     let lake = dir.path().join("lake");
     // The synthetic producer's orders rarely reach the shipped threshold in 10 minutes.
-    let spec = dir.path().join("notifications.toml");
-    std::fs::write(
-        &spec,
-        std::fs::read_to_string(shipped_spec())
-            .unwrap()
-            .replace("threshold = 1000000", "threshold = 100000"),
-    )
-    .unwrap();
+    let spec = spec_with(dir.path(), &[("threshold = 1000000", "threshold = 100000")]);
     let sink = Sink::start(&[]);
     let (gw, serve) = (support::free_port(), support::free_port());
     // Started elsewhere than the repository, with absolute paths: the notifications find

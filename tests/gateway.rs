@@ -130,6 +130,21 @@ async fn post(url: &str, token: &str, events: &[Value]) -> Answer {
     .await
 }
 
+/// The value of the first line of the gateway's `/metrics` that `line` picks.
+async fn metric(url: &str, line: impl Fn(&str) -> bool) -> f64 {
+    let metrics = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metrics
+        .lines()
+        .find(|l| line(l))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"))
+}
+
 /// `(tenant, event_id)` → times landed, over the whole events table.
 async fn landed(lake_config: &LakeConfig) -> HashMap<(String, String), usize> {
     let lake = Lake::open(lake_config.clone()).await.unwrap();
@@ -894,17 +909,10 @@ async fn refusals_without_a_valid_key_are_recorded_within_a_budget() {
     }
     // The budget: a burst of 100, then 10 a second.
     let budget = 100.0 + 10.0 * flood.elapsed().as_secs_f64().ceil() + 2.0;
-    let metrics = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let unrecorded: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("signalweave_gateway_unauthenticated_unrecorded_total"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("{metrics}"));
+    let unrecorded = metric(&gw.url, |l| {
+        l.starts_with("signalweave_gateway_unauthenticated_unrecorded_total")
+    })
+    .await;
     assert!(
         unrecorded >= 400.0 - budget,
         "{unrecorded} of 400, budget {budget}"
@@ -1021,20 +1029,11 @@ async fn a_request_beyond_a_quotas_capacity_gets_413_and_spends_nothing() {
         assert_eq!(a.status, 413);
     }
     let budget = 100.0 + 10.0 * flood.elapsed().as_secs_f64().ceil() + 2.0;
-    let metrics = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let unrecorded: f64 = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("signalweave_gateway_refusals_unrecorded_total")
-                && l.contains("tenant=\"tenant-0\"")
-        })
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("{metrics}"));
+    let unrecorded = metric(&gw.url, |l| {
+        l.starts_with("signalweave_gateway_refusals_unrecorded_total")
+            && l.contains("tenant=\"tenant-0\"")
+    })
+    .await;
     gw.stop().await;
     let reasons = rejection_reasons(&backend.config).await;
     let recorded = reasons.iter().filter(|r| *r == "batch_too_large").count() as f64;

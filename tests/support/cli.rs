@@ -92,6 +92,36 @@ impl Proc {
         }
     }
 
+    /// Sends `signal` (for example `-TERM`) and waits up to `timeout` for the process to
+    /// exit: its exit code (None when a signal ended it).
+    #[allow(dead_code)]
+    pub fn stop_with(mut self, signal: &str, timeout: Duration) -> Option<i32> {
+        let ok = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        self.wait_exit(timeout, signal)
+    }
+
+    /// Waits up to `timeout` for the process to exit (`what` names what it obeys): its exit
+    /// code (None when a signal ended it).
+    #[allow(dead_code)]
+    pub fn wait_exit(&mut self, timeout: Duration, what: &str) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what} was not obeyed: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// kill -9, and wait for the process to be gone.
     #[allow(dead_code)]
     pub fn kill(mut self) {
