@@ -682,6 +682,93 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
     }
 }
 
+/// Appends go on while an erasure rewrites: the gateway commits every second. A race the
+/// erasure loses costs it the manifests appended since, not every manifest of the table,
+/// so it commits even when appends come back to back and the table lists hundreds of
+/// manifests (reading them all on every try, it lost all its tries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_erasure_commits_while_appends_keep_coming() {
+    let b = support::embedded();
+    let lake = open(&b).await;
+    let evs = events(WorkloadSpec {
+        events: 3_000,
+        events_per_sec: 5,
+        ..Default::default()
+    });
+    // One manifest per append: 300 of them.
+    for (i, chunk) in evs.chunks(10).enumerate() {
+        lake.append(
+            LakeTable::Events,
+            &[batch(chunk)],
+            &CommitIdentity::new("landed", i as u64),
+        )
+        .await
+        .unwrap();
+    }
+    let mut per_customer: std::collections::HashMap<&str, usize> = Default::default();
+    for e in &evs {
+        if let Some(c) = e.customer_id.as_deref() {
+            *per_customer.entry(c).or_default() += 1;
+        }
+    }
+    let (subject, theirs) = per_customer
+        .iter()
+        .max_by_key(|(c, n)| (**n, std::cmp::Reverse(**c)))
+        .map(|(c, n)| (c.to_string(), *n))
+        .unwrap();
+    // The live traffic: other customers' events, appended every 100 ms until the erasure
+    // is done.
+    let more: Vec<Event> = evs
+        .iter()
+        .filter(|e| e.customer_id.as_deref() != Some(subject.as_str()))
+        .take(5)
+        .cloned()
+        .collect();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let appender = tokio::spawn({
+        let (lake, done, more) = (lake.clone(), Arc::clone(&done), more.clone());
+        async move {
+            let mut n = 0u64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                lake.append(
+                    LakeTable::Events,
+                    &[batch(&more)],
+                    &CommitIdentity::new("live", n),
+                )
+                .await
+                .unwrap();
+                n += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            n
+        }
+    });
+    // The appender is under way before the erasure starts.
+    while lake.snapshots(LakeTable::Events).await.unwrap().len() < 302 {
+        tokio::task::yield_now().await;
+    }
+    let erased = lake
+        .erase_customer(&signalweave_lake::ErasureRequest {
+            customer_id: subject.clone(),
+            tenant: None,
+            reason: "ticket-9".into(),
+            requested_by: "test".into(),
+        })
+        .await;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let appended = appender.await.unwrap();
+    let report = erased.unwrap();
+    assert_eq!(report.tables[0].rows, theirs as u64, "{report:?}");
+    assert!(appended >= 2, "appends during the erasure: {appended}");
+    let q = format!("select count(*) from signalweave.events where customer_id = '{subject}'");
+    assert_eq!(count(&lake, &q).await, 0);
+    // Nothing appended meanwhile is lost, before the erasure's commit or after it.
+    assert_eq!(
+        count(&lake, "select count(*) from signalweave.events").await,
+        (evs.len() - theirs) as i64 + appended as i64 * more.len() as i64
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
     for b in support::backends() {

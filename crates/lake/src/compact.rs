@@ -6,12 +6,15 @@
 //! read twice. The replaced files stay until the snapshots that reference them expire.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use arrow_array::RecordBatch;
+use futures::{StreamExt, TryStreamExt};
+use iceberg::io::FileIO;
 use iceberg::scan::FileScanTask;
 use iceberg::spec::{
-    DataContentType, DataFile, ManifestContentType, ManifestFile, ManifestListWriter,
-    ManifestWriterBuilder, Operation, Snapshot, Summary,
+    DataContentType, DataFile, Manifest, ManifestContentType, ManifestFile, ManifestListWriter,
+    ManifestWriterBuilder, Operation, Snapshot, SnapshotRef, Summary,
 };
 use iceberg::table::Table;
 use serde::Serialize;
@@ -87,6 +90,187 @@ pub(crate) struct RewriteStats {
     pub bytes_removed: u64,
     pub rows_added: u64,
     pub rows_removed: u64,
+}
+
+/// Manifests read once each, by path: manifests and manifest lists are immutable.
+#[derive(Debug, Default)]
+pub(crate) struct ManifestReads {
+    /// The manifest list read last, by path.
+    list: Option<(String, Arc<Vec<ManifestFile>>)>,
+    /// Data manifests read, by path.
+    loaded: HashMap<String, Arc<Manifest>>,
+}
+
+impl ManifestReads {
+    /// The manifests `snapshot` lists.
+    async fn manifest_list(
+        &mut self,
+        base: &Table,
+        snapshot: &SnapshotRef,
+    ) -> Result<Arc<Vec<ManifestFile>>> {
+        let path = snapshot.manifest_list();
+        if let Some((read, list)) = &self.list
+            && read == path
+        {
+            return Ok(Arc::clone(list));
+        }
+        let list = Arc::new(current_manifests(base, snapshot).await?);
+        self.list = Some((path.to_string(), Arc::clone(&list)));
+        Ok(list)
+    }
+
+    /// The data manifests `snapshot` lists, each with its entries.
+    pub(crate) async fn data_manifests(
+        &mut self,
+        base: &Table,
+        snapshot: &SnapshotRef,
+    ) -> Result<Vec<(ManifestFile, Arc<Manifest>)>> {
+        let listed: Vec<ManifestFile> = self
+            .manifest_list(base, snapshot)
+            .await?
+            .iter()
+            .filter(|m| m.content == ManifestContentType::Data)
+            .cloned()
+            .collect();
+        let io = base.file_io().clone();
+        let missing: Vec<ManifestFile> = listed
+            .iter()
+            .filter(|m| !self.loaded.contains_key(&m.manifest_path))
+            .cloned()
+            .collect();
+        let read: Vec<(String, Manifest)> = futures::stream::iter(missing)
+            .map(|m| {
+                let io = io.clone();
+                async move {
+                    let manifest = m.load_manifest(&io).await?;
+                    Ok::<_, iceberg::Error>((m.manifest_path, manifest))
+                }
+            })
+            .buffered(8)
+            .try_collect()
+            .await
+            .map_err(ice("read manifest"))?;
+        for (path, manifest) in read {
+            self.loaded.insert(path, Arc::new(manifest));
+        }
+        Ok(listed
+            .into_iter()
+            .map(|m| {
+                let manifest = Arc::clone(&self.loaded[&m.manifest_path]);
+                (m, manifest)
+            })
+            .collect())
+    }
+
+    /// The data files live in `snapshot`.
+    pub(crate) async fn live_files(
+        &mut self,
+        base: &Table,
+        snapshot: &SnapshotRef,
+    ) -> Result<Vec<DataFile>> {
+        Ok(self
+            .data_manifests(base, snapshot)
+            .await?
+            .iter()
+            .flat_map(|(_, manifest)| {
+                manifest
+                    .entries()
+                    .iter()
+                    .filter(|e| {
+                        e.is_alive() && e.data_file().content_type() == DataContentType::Data
+                    })
+                    .map(|e| e.data_file().clone())
+                    .collect::<Vec<_>>()
+            })
+            .collect())
+    }
+
+    /// Forgets the manifests `snapshot`'s list (read last) does not hold.
+    fn keep_only_listed(&mut self) {
+        if let Some((_, list)) = &self.list {
+            let listed: HashSet<&str> = list.iter().map(|m| m.manifest_path.as_str()).collect();
+            self.loaded.retain(|path, _| listed.contains(path.as_str()));
+        }
+    }
+}
+
+/// A replace commit's work, kept across the races it loses.
+///
+/// Manifests are immutable, so a try reads only the manifests listed since the last one.
+/// The snapshot id stays the same from try to try, so the manifests written for it (each
+/// touched manifest without the replaced files, and the manifest of the added files) are
+/// written once and listed again by the next try. A race lost to an append then costs a
+/// read of the table's metadata and manifest list and of the appended manifest, not of
+/// every manifest: steady appends (the gateway commits every second) no longer outrun a
+/// rewrite of a table with many manifests.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedReplace {
+    snapshot_id: Option<i64>,
+    commit_uuid: String,
+    reads: ManifestReads,
+    /// The replaced and added files the written manifests were written for.
+    removed: HashSet<String>,
+    added: Vec<String>,
+    /// Each touched manifest's rewrite, by the path of the manifest it replaces.
+    rewritten: HashMap<String, ManifestFile>,
+    added_manifest: Option<ManifestFile>,
+    /// Manifests written and not committed.
+    written: Vec<String>,
+}
+
+impl PreparedReplace {
+    /// The data files live in `snapshot` (the table's current one: manifests it no
+    /// longer lists are forgotten).
+    pub(crate) async fn live_files(
+        &mut self,
+        base: &Table,
+        snapshot: &SnapshotRef,
+    ) -> Result<Vec<DataFile>> {
+        let files = self.reads.live_files(base, snapshot).await?;
+        self.reads.keep_only_listed();
+        Ok(files)
+    }
+
+    /// Deletes the manifests written and never committed.
+    pub(crate) async fn discard(&mut self, io: &FileIO) {
+        for p in self.written.drain(..) {
+            let _ = io.delete(&p).await;
+        }
+        self.rewritten.clear();
+        self.added_manifest = None;
+    }
+
+    /// Forgets what the committed try wrote: it is the table's now.
+    fn committed(&mut self) {
+        self.written.clear();
+        self.rewritten.clear();
+        self.added_manifest = None;
+        self.snapshot_id = None;
+    }
+
+    /// Drops the written manifests unless they were written for these files and a
+    /// snapshot id `md` does not hold yet; returns the snapshot id to commit.
+    async fn prepare_for(
+        &mut self,
+        md: &iceberg::spec::TableMetadata,
+        io: &FileIO,
+        removed: &HashSet<String>,
+        added: &[DataFile],
+    ) -> i64 {
+        let added: Vec<String> = added.iter().map(|f| f.file_path().to_string()).collect();
+        let id_taken = self
+            .snapshot_id
+            .is_some_and(|id| md.snapshot_by_id(id).is_some());
+        if self.snapshot_id.is_none() || id_taken || self.removed != *removed || self.added != added
+        {
+            self.discard(io).await;
+            self.snapshot_id = Some(crate::maintain::fresh_snapshot_id(md));
+            self.commit_uuid = uuid::Uuid::new_v4().simple().to_string();
+            self.removed = removed.clone();
+            self.added = added;
+        }
+        self.snapshot_id.unwrap_or_default()
+    }
 }
 
 fn ice(context: &str) -> impl FnOnce(iceberg::Error) -> LakeError + '_ {
@@ -197,10 +381,12 @@ impl Lake {
             rows_added: report.rows,
             rows_removed: report.rows,
         };
+        let mut prep = PreparedReplace::default();
+        let io = base.file_io().clone();
         for _ in 0..CONFLICT_ATTEMPTS {
             let base = self.table(table).await?;
             match self
-                .commit_replace(table, &base, &removed_paths, &added, &stats)
+                .commit_replace(table, &base, &removed_paths, &added, &stats, &mut prep)
                 .await
             {
                 Ok(id) => {
@@ -209,13 +395,17 @@ impl Lake {
                 }
                 Err(e) if e.kind() == ErrorKind::Conflict => report.conflicts += 1,
                 Err(e) => {
-                    let io = base.file_io().clone();
+                    prep.discard(&io).await;
                     for f in &added {
                         let _ = io.delete(f.file_path()).await;
                     }
                     return Err(e);
                 }
             }
+        }
+        prep.discard(&io).await;
+        for f in &added {
+            let _ = io.delete(f.file_path()).await;
         }
         Err(LakeError::new(
             ErrorKind::Conflict,
@@ -253,6 +443,10 @@ impl Lake {
             .map_err(|e| LakeError::arrow("reorder by time", e))
     }
 
+    /// Commits a snapshot of `base` in which the `removed` files are replaced by the
+    /// `added` ones. `Conflict` when another commit came first: the manifests written
+    /// stay in `prep`, for the next try (see [`PreparedReplace`]); the caller discards
+    /// them when it gives up.
     pub(crate) async fn commit_replace(
         &self,
         table: LakeTable,
@@ -260,38 +454,51 @@ impl Lake {
         removed: &HashSet<String>,
         added: &[DataFile],
         report: &RewriteStats,
+        prep: &mut PreparedReplace,
     ) -> Result<i64> {
         let md = base.metadata();
         let current = md.current_snapshot().ok_or_else(|| {
             LakeError::new(ErrorKind::Conflict, "the table lost its current snapshot")
         })?;
         let io = base.file_io().clone();
-        let manifests = current_manifests(base, current).await?;
-        let snapshot_id = crate::maintain::fresh_snapshot_id(md);
+        let snapshot_id = prep.prepare_for(md, &io, removed, added).await;
+        let commit_uuid = prep.commit_uuid.clone();
+        let other_manifests: Vec<ManifestFile> = prep
+            .reads
+            .manifest_list(base, current)
+            .await?
+            .iter()
+            .filter(|m| m.content != ManifestContentType::Data)
+            .cloned()
+            .collect();
+        let manifests = prep.reads.data_manifests(base, current).await?;
+        prep.reads.keep_only_listed();
         let sequence = md.next_sequence_number();
-        let commit_uuid = uuid::Uuid::new_v4().simple().to_string();
         let location = md.location();
         let spec = md.default_partition_spec().as_ref().clone();
         let schema = md.current_schema().clone();
-        let mut new_manifests: Vec<ManifestFile> = Vec::new();
-        let mut written: Vec<String> = Vec::new();
+        let mut new_manifests: Vec<ManifestFile> = other_manifests;
         let mut still_live = 0usize;
-        for (n, m) in manifests.into_iter().enumerate() {
-            if m.content != ManifestContentType::Data {
-                new_manifests.push(m);
-                continue;
-            }
-            let manifest = m.load_manifest(&io).await.map_err(ice("read manifest"))?;
-            let touches = manifest
+        for (m, manifest) in manifests {
+            let replaced_here = manifest
                 .entries()
                 .iter()
-                .any(|e| e.is_alive() && removed.contains(e.file_path()));
-            if !touches {
+                .filter(|e| e.is_alive() && removed.contains(e.file_path()))
+                .count();
+            if replaced_here == 0 {
                 new_manifests.push(m);
                 continue;
             }
-            let path = format!("{location}/metadata/{commit_uuid}-r{n}.avro");
-            written.push(path.clone());
+            still_live += replaced_here;
+            if let Some(rewrite) = prep.rewritten.get(&m.manifest_path) {
+                new_manifests.push(rewrite.clone());
+                continue;
+            }
+            let path = format!(
+                "{location}/metadata/{commit_uuid}-r{}.avro",
+                prep.rewritten.len()
+            );
+            prep.written.push(path.clone());
             let spec_m = md
                 .partition_spec_by_id(m.partition_spec_id)
                 .map(|s| s.as_ref().clone())
@@ -307,7 +514,6 @@ impl Lake {
                 let seq = e.sequence_number().unwrap_or(0);
                 let file_seq = Some(e.file_sequence_number.unwrap_or(seq));
                 if removed.contains(e.file_path()) {
-                    still_live += 1;
                     w.add_delete_file(e.data_file().clone(), seq, file_seq)
                         .map_err(ice("record a replaced file"))?;
                 } else {
@@ -320,22 +526,15 @@ impl Lake {
                     .map_err(ice("carry a file over"))?;
                 }
             }
-            new_manifests.push(
-                w.write_manifest_file()
-                    .await
-                    .map_err(ice("write manifest"))?,
-            );
+            let rewrite = w
+                .write_manifest_file()
+                .await
+                .map_err(ice("write manifest"))?;
+            prep.rewritten
+                .insert(m.manifest_path.clone(), rewrite.clone());
+            new_manifests.push(rewrite);
         }
-        let cleanup = |written: Vec<String>| {
-            let io = io.clone();
-            async move {
-                for p in written {
-                    let _ = io.delete(&p).await;
-                }
-            }
-        };
         if still_live != removed.len() {
-            cleanup(written).await;
             return Err(LakeError::new(
                 ErrorKind::InvalidInput,
                 format!(
@@ -345,26 +544,33 @@ impl Lake {
                 ),
             ));
         }
-        let path = format!("{location}/metadata/{commit_uuid}-a.avro");
-        written.push(path.clone());
-        let mut w = ManifestWriterBuilder::new(
-            io.new_output(&path).map_err(ice("open manifest"))?,
-            Some(snapshot_id),
-            schema.clone(),
-            spec.clone(),
-        )
-        .build_v2_data();
-        for f in added {
-            w.add_file(f.clone(), sequence)
-                .map_err(ice("add a compacted file"))?;
+        if prep.added_manifest.is_none() {
+            let path = format!("{location}/metadata/{commit_uuid}-a.avro");
+            prep.written.push(path.clone());
+            let mut w = ManifestWriterBuilder::new(
+                io.new_output(&path).map_err(ice("open manifest"))?,
+                Some(snapshot_id),
+                schema.clone(),
+                spec.clone(),
+            )
+            .build_v2_data();
+            for f in added {
+                // No sequence number of its own: an added file takes the snapshot's,
+                // whichever try commits it.
+                w.add_file(f.clone(), -1)
+                    .map_err(ice("add a compacted file"))?;
+            }
+            prep.added_manifest = Some(
+                w.write_manifest_file()
+                    .await
+                    .map_err(ice("write manifest"))?,
+            );
         }
-        new_manifests.push(
-            w.write_manifest_file()
-                .await
-                .map_err(ice("write manifest"))?,
+        new_manifests.extend(prep.added_manifest.clone());
+        let list_path = format!(
+            "{location}/metadata/snap-{snapshot_id}-{sequence}-{}.avro",
+            uuid::Uuid::new_v4().simple()
         );
-        let list_path = format!("{location}/metadata/snap-{snapshot_id}-0-{commit_uuid}.avro");
-        written.push(list_path.clone());
         let mut list = ManifestListWriter::v2(
             io.new_output(&list_path)
                 .map_err(ice("open manifest list"))?
@@ -421,7 +627,7 @@ impl Lake {
             .with_parent_snapshot_id(Some(current.snapshot_id()))
             .with_sequence_number(sequence)
             .with_timestamp_ms(chrono::Utc::now().timestamp_millis())
-            .with_manifest_list(list_path)
+            .with_manifest_list(list_path.clone())
             .with_summary(Summary {
                 operation: report.operation.clone(),
                 additional_properties: props,
@@ -437,9 +643,12 @@ impl Lake {
             .map_err(ice("build table metadata"))?
             .metadata;
         match self.commit_metadata(table, base, new_md).await {
-            Ok(()) => Ok(snapshot_id),
+            Ok(()) => {
+                prep.committed();
+                Ok(snapshot_id)
+            }
             Err(e) => {
-                cleanup(written).await;
+                let _ = io.delete(&list_path).await;
                 Err(e)
             }
         }

@@ -17,9 +17,9 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use signalweave_model::ErrorKind;
 
-use crate::compact::{CONFLICT_ATTEMPTS, RewriteStats};
+use crate::compact::{CONFLICT_ATTEMPTS, ManifestReads, PreparedReplace, RewriteStats};
 use crate::error::{LakeError, Result};
-use crate::lake::{CommitIdentity, Lake, on_table_schema};
+use crate::lake::{CommitIdentity, Lake, on_table_schema, whole_file_task};
 use crate::layout::LakeTable;
 use crate::maintain::{MaintenancePolicy, Retention};
 
@@ -227,40 +227,28 @@ impl Lake {
         let mut added: Vec<DataFile> = Vec::new();
         let mut erased: Vec<RecordBatch> = Vec::new();
         let mut writes = 0u64;
-        let mut io = None;
-        let discard = |io: &Option<iceberg::io::FileIO>, added: &[DataFile]| {
-            let (io, paths) = (
-                io.clone(),
-                added
-                    .iter()
-                    .map(|f| f.file_path().to_string())
-                    .collect::<Vec<_>>(),
-            );
-            async move {
-                if let Some(io) = io {
-                    for p in paths {
-                        let _ = io.delete(&p).await;
-                    }
-                }
+        let io = self.table(table).await?.file_io().clone();
+        // What a try wrote and no commit took: the rewritten files and the manifests.
+        async fn discard(io: &iceberg::io::FileIO, added: &[DataFile], prep: &mut PreparedReplace) {
+            prep.discard(io).await;
+            for f in added {
+                let _ = io.delete(f.file_path()).await;
             }
-        };
+        }
+        let mut prep = PreparedReplace::default();
         for _ in 0..CONFLICT_ATTEMPTS {
             let base = self.table(table).await?;
-            io = Some(base.file_io().clone());
-            let Some(current) = base.metadata().current_snapshot_id() else {
+            let md = base.metadata();
+            let Some(current) = md.current_snapshot() else {
                 return Ok((out, Vec::new()));
             };
-            let plan = self
-                .plan_time_range(table, i64::MIN, i64::MAX, Some(current))
-                .await?;
-            let live: HashSet<&str> = plan
-                .tasks
-                .iter()
-                .map(|t| t.data_file_path.as_str())
-                .collect();
+            // The manifests read on an earlier try are not read again: a lost race costs
+            // the manifests appended since.
+            let files = prep.live_files(&base, current).await?;
+            let live: HashSet<&str> = files.iter().map(|f| f.file_path()).collect();
             if removed.iter().any(|p| !live.contains(p.as_str())) {
                 // A file to replace was replaced by someone else: start over.
-                discard(&io, &added).await;
+                discard(&io, &added, &mut prep).await;
                 examined.clear();
                 removed.clear();
                 (bytes_removed, rows_removed_files) = (0, 0);
@@ -268,10 +256,16 @@ impl Lake {
                 added.clear();
                 erased.clear();
             }
-            for task in plan.tasks {
-                if !examined.insert(task.data_file_path.clone()) {
-                    continue;
-                }
+            let schema = md.current_schema().clone();
+            let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
+            let spec = Some(md.default_partition_spec().clone());
+            let tasks: Vec<_> = files
+                .iter()
+                .filter(|f| !examined.contains(f.file_path()))
+                .map(|f| whole_file_task(f, &schema, &field_ids, spec.clone()))
+                .collect();
+            for task in tasks {
+                examined.insert(task.data_file_path.clone());
                 let path = task.data_file_path.clone();
                 let size = task.file_size_in_bytes;
                 let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
@@ -330,7 +324,7 @@ impl Lake {
                 rows_removed: rows_removed_files,
             };
             match self
-                .commit_replace(table, &base, &removed, &added, &stats)
+                .commit_replace(table, &base, &removed, &added, &stats, &mut prep)
                 .await
             {
                 Ok(id) => {
@@ -344,12 +338,12 @@ impl Lake {
                     tracing::debug!(table = table.name(), "erasure lost a race; rebasing");
                 }
                 Err(e) => {
-                    discard(&io, &added).await;
+                    discard(&io, &added, &mut prep).await;
                     return Err(e);
                 }
             }
         }
-        discard(&io, &added).await;
+        discard(&io, &added, &mut prep).await;
         Err(LakeError::new(
             ErrorKind::Conflict,
             format!(
@@ -366,26 +360,44 @@ impl Lake {
         table: LakeTable,
         hit: impl Fn(&RecordBatch) -> Result<Vec<bool>>,
     ) -> Result<Vec<RecordBatch>> {
-        let current = self.current_data_files(table).await?;
-        let mut snapshots = self.snapshots(table).await?;
-        // The newest is the current one: its files are `current`.
-        if snapshots.pop().is_none() {
+        let t = self.table(table).await?;
+        let md = t.metadata();
+        let Some(newest) = md.current_snapshot() else {
             return Ok(Vec::new());
-        }
-        let mut seen: HashSet<String> = HashSet::new();
-        let mut tasks = Vec::new();
-        for snap in snapshots {
-            let plan = self
-                .plan_time_range(table, i64::MIN, i64::MAX, Some(snap.snapshot_id))
-                .await?;
-            for task in plan.tasks {
-                if !current.contains(&task.data_file_path)
-                    && seen.insert(task.data_file_path.clone())
-                {
-                    tasks.push(task);
+        };
+        // Each manifest read once, however many snapshots list it.
+        let mut reads = ManifestReads::default();
+        let current: HashSet<String> = reads
+            .live_files(&t, newest)
+            .await?
+            .iter()
+            .map(|f| f.file_path().to_string())
+            .collect();
+        let (mut manifests_seen, mut seen) = (HashSet::new(), HashSet::new());
+        let mut files = Vec::new();
+        for snap in md.snapshots() {
+            if snap.snapshot_id() == newest.snapshot_id() {
+                continue;
+            }
+            for (m, manifest) in reads.data_manifests(&t, snap).await? {
+                if !manifests_seen.insert(m.manifest_path) {
+                    continue;
+                }
+                for e in manifest.entries().iter().filter(|e| e.is_alive()) {
+                    let path = e.file_path();
+                    if !current.contains(path) && seen.insert(path.to_string()) {
+                        files.push(e.data_file().clone());
+                    }
                 }
             }
         }
+        let schema = md.current_schema().clone();
+        let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
+        let spec = Some(md.default_partition_spec().clone());
+        let tasks: Vec<_> = files
+            .iter()
+            .map(|f| whole_file_task(f, &schema, &field_ids, spec.clone()))
+            .collect();
         let mut out = Vec::new();
         for task in tasks {
             for b in on_table_schema(table, self.read_all(table, vec![task]).await?)? {

@@ -1708,6 +1708,11 @@ impl Running {
             if before.is_empty() {
                 return Ok(Some(out));
             }
+            // The pass is done again: its records count once, in the pass that stands.
+            // (The records counter of the metrics counts every record read, as work.)
+            if let Ok(mut p) = self.options.progress.lock() {
+                p.records = p.records.saturating_sub(out.figures.records);
+            }
             let reach = sub.from_us.saturating_sub(read_from);
             let next = unproven
                 .saturating_sub(lead_in)

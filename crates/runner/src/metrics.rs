@@ -236,7 +236,8 @@ impl RunnerMetrics {
 #[derive(Debug)]
 pub struct BackfillMetrics {
     registry: Registry,
-    /// Records read.
+    /// Records read: the work done, so a session job's sub-range read again from
+    /// further back counts again (its progress counts it once).
     pub records: Family<Labels, Counter>,
     /// Bytes of data files read.
     pub bytes_read: Family<Labels, Counter>,
@@ -284,7 +285,11 @@ impl BackfillMetrics {
             reclaim_samples: Mutex::new(Vec::new()),
             registry: Registry::default(),
         };
-        registry.register("records", "Records read", m.records.clone());
+        registry.register(
+            "records",
+            "Records read, each read again counted again",
+            m.records.clone(),
+        );
         registry.register(
             "read_bytes",
             "Bytes of data files read",
