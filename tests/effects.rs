@@ -498,6 +498,48 @@ fn failed_effects_are_reported_and_sent_again_on_request() {
     sink.stop();
 }
 
+/// A provider that honours idempotency keys but answers no lookups (501). An effect whose
+/// answer was lost cannot be looked up; with `provider_idempotent` it is sent again under
+/// its key, and the provider answers with the first delivery. Without it, it stays
+/// ambiguous: nothing shows that sending again is safe.
+#[test]
+fn an_unanswered_lookup_is_retried_only_when_the_provider_honours_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let spec = shipped_spec();
+    let sink = Sink::start(&["--no-lookup"]);
+    sink.control(r#"{"drop_next": 3}"#);
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    let st = status(&lake, &spec, "live");
+    let delivered = count(&st, "delivered");
+    assert!(delivered > 50, "{st}");
+    assert_eq!(st["counts"].as_object().unwrap().len(), 1, "{st}");
+    assert_exactly_once(&sink, delivered, "keys honoured");
+    // The three lost answers were sent again and answered with their first delivery.
+    assert_eq!(sink.deliveries()["replays"], 3, "{}", sink.deliveries());
+
+    // The same job under another name, not trusting the provider with its keys.
+    let strict = spec_with(
+        dir.path(),
+        &[
+            (
+                "name = \"notifications\"",
+                "name = \"notifications_strict\"",
+            ),
+            ("provider_idempotent = true", "provider_idempotent = false"),
+        ],
+    );
+    sink.control(r#"{"drop_next": 3}"#);
+    let _ = run_effects(&lake, &strict, &sink.url).output().unwrap();
+    let st = status(&lake, &strict, "live");
+    assert_eq!(count(&st, "ambiguous"), 3, "{st}");
+    assert_eq!(count(&st, "delivered"), delivered - 3, "{st}");
+    // Nothing was sent twice: the sink delivered each key of both jobs once.
+    assert_exactly_once(&sink, 2 * delivered, "ambiguous left alone");
+    assert_eq!(sink.deliveries()["replays"], 3, "{}", sink.deliveries());
+    sink.stop();
+}
+
 #[test]
 fn a_misbehaving_provider_and_a_backfill_namespace() {
     let dir = tempfile::tempdir().unwrap();
