@@ -436,6 +436,89 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
     assert!(!dir.path().join("report-bad").exists());
 }
 
+/// A window the job has not closed is not compared, even where its provisional values
+/// equal the oracle's: it is pending, and a range of such windows alone is NOTHING FINAL,
+/// not a MATCH.
+#[test]
+fn windows_not_final_are_pending_not_matched() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let file = dir.path().join("events.ndjson");
+    // About 16 minutes of event time from 00:00, nothing late; the job's watermark stops
+    // a few seconds short of the last event, inside the minute starting 00:16.
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--out"])
+        .arg(&file)
+        .args([
+            "--events",
+            "2000",
+            "--events-per-sec",
+            "2",
+            "--late-fraction",
+            "0",
+            "--dup-fraction",
+            "0",
+        ])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .arg("load")
+        .arg(&file)
+        .args(["--chunk-records", "200"])
+        .output()
+        .unwrap());
+    // The shipped job, but with an early result after every commit read: the windows
+    // still open at the end have provisional versions, equal to the oracle's so far.
+    let spec = dir.path().join("market_aggregates.toml");
+    let text = std::fs::read_to_string(support::repo().join("jobs/market_aggregates.toml"))
+        .unwrap()
+        .replace("early_every = \"20s\"", "early_every = \"1ms\"");
+    std::fs::write(&spec, text).unwrap();
+    ok(sw(&lake)
+        .args(["run", "--job"])
+        .arg(&spec)
+        .args(["--until-caught-up", "--max-snapshots-per-step", "1"])
+        .output()
+        .unwrap());
+    let open = count(
+        &lake,
+        "SELECT count(*) FROM signalweave.market_aggregates_current \
+         WHERE completeness = 'provisional'",
+    ) as u64;
+    assert!(open > 0, "the last minute's windows are still open");
+    let run = |from: &str, to: &str, out: &str| {
+        let o = sw(&lake)
+            .args(["reconcile", "--job", "market_aggregates"])
+            .args(["--from", from, "--to", to, "--out"])
+            .arg(dir.path().join(out))
+            .output()
+            .unwrap();
+        let json = std::fs::read_to_string(dir.path().join(out).join("report.json")).unwrap();
+        (o, serde_json::from_str::<Value>(&json).unwrap())
+    };
+    // The open windows alone.
+    let (o, r) = run("2026-01-01T00:16:00Z", "2026-01-01T01:00:00Z", "open");
+    assert_eq!(o.status.code(), Some(0), "{}", r["findings"]);
+    assert_eq!(u(&r, "/windows/matched"), 0, "{}", r["windows"]);
+    assert_eq!(u(&r, "/windows/pending"), open, "{}", r["windows"]);
+    let verdict = |o: &std::process::Output| {
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        out.lines()
+            .find(|l| l.contains("verdict"))
+            .map(|l| l.to_string())
+            .unwrap_or_else(|| panic!("no verdict in {out}"))
+    };
+    assert!(verdict(&o).contains("nothing final"), "{}", verdict(&o));
+    let md = std::fs::read_to_string(dir.path().join("open/report.md")).unwrap();
+    assert!(md.contains("NOTHING FINAL"), "{md}");
+    // With the closed ones before them: those match, the open ones stay pending.
+    let (o, r) = run("2026-01-01T00:10:00Z", "2026-01-01T01:00:00Z", "both");
+    assert_eq!(o.status.code(), Some(0), "{}", r["findings"]);
+    assert!(u(&r, "/windows/matched") > 0, "{}", r["windows"]);
+    assert_eq!(u(&r, "/windows/pending"), open, "{}", r["windows"]);
+    assert!(verdict(&o).contains(" match "), "{}", verdict(&o));
+}
+
 fn plan_json(args: &[&str]) -> (i32, Value) {
     let o = sw(Path::new("unused"))
         .args(["plan", "--sheet"])

@@ -11,5 +11,5 @@ pub mod report;
 
 pub use error::{AuditError, Result};
 pub use plan::{Measured, Plan, Sheet, plan};
-pub use reconcile::{ReconcileRequest, Report, reconcile};
+pub use reconcile::{ReconcileRequest, Report, Verdict, reconcile};
 pub use report::{html, markdown, write_reports};

@@ -308,6 +308,29 @@ pub struct Report {
     pub bucket_s: i64,
 }
 
+/// What a report concludes, in a word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The final outputs equal the oracle and every event is accounted for.
+    Match,
+    /// No window of the range is final, so none was compared; every event is accounted
+    /// for.
+    NothingFinal,
+    /// See the findings.
+    Mismatch,
+}
+
+impl Report {
+    /// The report's verdict.
+    pub fn verdict(&self) -> Verdict {
+        match (self.matches, self.windows.matched) {
+            (false, _) => Verdict::Mismatch,
+            (true, 0) => Verdict::NothingFinal,
+            (true, _) => Verdict::Match,
+        }
+    }
+}
+
 /// RFC 3339 of a µs timestamp.
 pub fn rfc3339(us: i64) -> String {
     chrono::DateTime::from_timestamp_micros(us)

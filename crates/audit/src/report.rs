@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use signalweave_model::ErrorKind;
 
 use crate::error::{AuditError, Result};
-use crate::reconcile::Report;
+use crate::reconcile::{Report, Verdict};
 
 /// Rows of long tables shown in the HTML and Markdown reports (JSON keeps them all).
 const SHOWN: usize = 200;
@@ -45,12 +45,12 @@ pub fn write_reports(report: &Report, dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 fn verdict(r: &Report) -> &'static str {
-    if r.matches && r.windows.matched == 0 {
-        "NOTHING FINAL: no window of the range is final yet, so none was compared; every event is accounted for"
-    } else if r.matches {
-        "MATCH: the outputs equal the oracle and every event is accounted for"
-    } else {
-        "MISMATCH: see the findings"
+    match r.verdict() {
+        Verdict::NothingFinal => {
+            "NOTHING FINAL: no window of the range is final yet, so none was compared; every event is accounted for"
+        }
+        Verdict::Match => "MATCH: the outputs equal the oracle and every event is accounted for",
+        Verdict::Mismatch => "MISMATCH: see the findings",
     }
 }
 

@@ -81,7 +81,12 @@ pub async fn reconcile(lake: Lake, args: &ReconcileArgs) -> Result<ExitCode> {
             vec![
                 vec![
                     "verdict".into(),
-                    if report.matches { "match" } else { "MISMATCH" }.into(),
+                    match report.verdict() {
+                        signalweave_audit::Verdict::Match => "match",
+                        signalweave_audit::Verdict::NothingFinal => "nothing final",
+                        signalweave_audit::Verdict::Mismatch => "MISMATCH",
+                    }
+                    .into(),
                 ],
                 vec!["windows compared".into(), w.compared.to_string()],
                 vec!["matched".into(), w.matched.to_string()],
