@@ -216,7 +216,16 @@ pub(crate) struct PreparedReplace {
     added_manifest: Option<ManifestFile>,
     /// Manifests written and not committed.
     written: Vec<String>,
+    /// When the written manifests were begun.
+    prepared_at: Option<std::time::Instant>,
+    /// A commit's outcome could not be learnt (see [`Self::outcome_unknown`]).
+    outcome_unknown: bool,
 }
+
+/// How long manifests written for a replace are listed again by later tries. Past it they
+/// are written anew: the metadata orphan sweep deletes unlisted manifests once they are an
+/// hour old (`MaintenancePolicy::metadata_orphan_age`), and one must never be listed after.
+const PREPARED_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl PreparedReplace {
     /// The data files live in `snapshot` (the table's current one: manifests it no
@@ -238,14 +247,33 @@ impl PreparedReplace {
         }
         self.rewritten.clear();
         self.added_manifest = None;
+        self.snapshot_id = None;
+        self.prepared_at = None;
     }
 
-    /// Forgets what the committed try wrote: it is the table's now.
-    fn committed(&mut self) {
+    /// Whether a commit of unknown outcome may have taken what was written: then neither
+    /// its manifests nor the files they list may be deleted.
+    pub(crate) fn outcome_unknown(&self) -> bool {
+        self.outcome_unknown
+    }
+
+    /// Forgets the manifests written, deleting none: a commit of unknown outcome may
+    /// list them.
+    fn forget_written(&mut self) {
+        self.outcome_unknown = true;
         self.written.clear();
         self.rewritten.clear();
         self.added_manifest = None;
         self.snapshot_id = None;
+        self.prepared_at = None;
+    }
+
+    /// After a commit that listed `listed`: what it listed is the table's now; the
+    /// manifests written on earlier tries and not listed (their originals were replaced
+    /// meanwhile) are deleted.
+    async fn committed(&mut self, io: &FileIO, listed: &HashSet<String>) {
+        self.written.retain(|p| !listed.contains(p));
+        self.discard(io).await;
     }
 
     /// Drops the written manifests unless they were written for these files and a
@@ -261,9 +289,17 @@ impl PreparedReplace {
         let id_taken = self
             .snapshot_id
             .is_some_and(|id| md.snapshot_by_id(id).is_some());
-        if self.snapshot_id.is_none() || id_taken || self.removed != *removed || self.added != added
+        let stale = self
+            .prepared_at
+            .is_some_and(|at| at.elapsed() > PREPARED_MAX_AGE);
+        if self.snapshot_id.is_none()
+            || id_taken
+            || stale
+            || self.removed != *removed
+            || self.added != added
         {
             self.discard(io).await;
+            self.prepared_at = Some(std::time::Instant::now());
             self.snapshot_id = Some(crate::maintain::fresh_snapshot_id(md));
             self.commit_uuid = uuid::Uuid::new_v4().simple().to_string();
             self.removed = removed.clone();
@@ -383,37 +419,43 @@ impl Lake {
         };
         let mut prep = PreparedReplace::default();
         let io = base.file_io().clone();
-        for _ in 0..CONFLICT_ATTEMPTS {
-            let base = self.table(table).await?;
-            match self
-                .commit_replace(table, &base, &removed_paths, &added, &stats, &mut prep)
-                .await
-            {
-                Ok(id) => {
-                    report.snapshot_id = Some(id);
-                    return Ok(report);
+        let outcome = async {
+            for _ in 0..CONFLICT_ATTEMPTS {
+                let base = self.table(table).await?;
+                match self
+                    .commit_replace(table, &base, &removed_paths, &added, &stats, &mut prep)
+                    .await
+                {
+                    Ok(id) => return Ok(id),
+                    Err(e) if e.kind() == ErrorKind::Conflict => report.conflicts += 1,
+                    Err(e) => return Err(e),
                 }
-                Err(e) if e.kind() == ErrorKind::Conflict => report.conflicts += 1,
-                Err(e) => {
+            }
+            Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{}: compaction lost {CONFLICT_ATTEMPTS} races in a row",
+                    table.name()
+                ),
+            ))
+        }
+        .await;
+        match outcome {
+            Ok(id) => {
+                report.snapshot_id = Some(id);
+                Ok(report)
+            }
+            Err(e) => {
+                // Unless a commit may have taken them, the files and manifests written go.
+                if !prep.outcome_unknown() {
                     prep.discard(&io).await;
                     for f in &added {
                         let _ = io.delete(f.file_path()).await;
                     }
-                    return Err(e);
                 }
+                Err(e)
             }
         }
-        prep.discard(&io).await;
-        for f in &added {
-            let _ = io.delete(f.file_path()).await;
-        }
-        Err(LakeError::new(
-            ErrorKind::Conflict,
-            format!(
-                "{}: compaction lost {CONFLICT_ATTEMPTS} races in a row",
-                table.name()
-            ),
-        ))
     }
 
     async fn read_sorted(
@@ -471,6 +513,20 @@ impl Lake {
             .filter(|m| m.content != ManifestContentType::Data)
             .cloned()
             .collect();
+        // Delete files (another engine's: this one writes none) apply to the files they
+        // name or by sequence number, and a rewrite would bring back the rows they delete.
+        if other_manifests
+            .iter()
+            .any(|m| m.has_added_files() || m.has_existing_files())
+        {
+            return Err(LakeError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "{}: the table holds delete files, which a rewrite here does not apply",
+                    table.name()
+                ),
+            ));
+        }
         let manifests = prep.reads.data_manifests(base, current).await?;
         prep.reads.keep_only_listed();
         let sequence = md.next_sequence_number();
@@ -571,86 +627,120 @@ impl Lake {
             "{location}/metadata/snap-{snapshot_id}-{sequence}-{}.avro",
             uuid::Uuid::new_v4().simple()
         );
-        let mut list = ManifestListWriter::v2(
-            io.new_output(&list_path)
-                .map_err(ice("open manifest list"))?
-                .writer()
-                .await
-                .map_err(ice("open manifest list"))?,
-            snapshot_id,
-            Some(current.snapshot_id()),
-            sequence,
-        );
-        list.add_manifests(new_manifests.into_iter())
-            .map_err(ice("write manifest list"))?;
-        list.close().await.map_err(ice("close manifest list"))?;
+        // The list is this try's alone: removed again unless a commit may have taken it.
+        let attempt = async {
+            let mut list = ManifestListWriter::v2(
+                io.new_output(&list_path)
+                    .map_err(ice("open manifest list"))?
+                    .writer()
+                    .await
+                    .map_err(ice("open manifest list"))?,
+                snapshot_id,
+                Some(current.snapshot_id()),
+                sequence,
+            );
+            let listed: HashSet<String> = new_manifests
+                .iter()
+                .map(|m| m.manifest_path.clone())
+                .collect();
+            list.add_manifests(new_manifests.into_iter())
+                .map_err(ice("write manifest list"))?;
+            list.close().await.map_err(ice("close manifest list"))?;
 
-        let prev = &current.summary().additional_properties;
-        let total = |k: &str| prev.get(k).and_then(|v| v.parse::<i64>().ok());
-        let mut props: HashMap<String, String> = prev
-            .iter()
-            .filter(|(k, _)| k.starts_with("total-"))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let files_delta = report.files_added as i64 - report.files_removed as i64;
-        let bytes_delta = report.bytes_added as i64 - report.bytes_removed as i64;
-        if let Some(t) = total("total-data-files") {
+            let prev = &current.summary().additional_properties;
+            let total = |k: &str| prev.get(k).and_then(|v| v.parse::<i64>().ok());
+            let mut props: HashMap<String, String> = prev
+                .iter()
+                .filter(|(k, _)| k.starts_with("total-"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let files_delta = report.files_added as i64 - report.files_removed as i64;
+            let bytes_delta = report.bytes_added as i64 - report.bytes_removed as i64;
+            if let Some(t) = total("total-data-files") {
+                props.insert(
+                    "total-data-files".into(),
+                    (t + files_delta).max(0).to_string(),
+                );
+            }
+            if let Some(t) = total("total-files-size") {
+                props.insert(
+                    "total-files-size".into(),
+                    (t + bytes_delta).max(0).to_string(),
+                );
+            }
+            if let Some(t) = total("total-records") {
+                let delta = report.rows_added as i64 - report.rows_removed as i64;
+                props.insert("total-records".into(), (t + delta).max(0).to_string());
+            }
+            props.insert("added-data-files".into(), report.files_added.to_string());
             props.insert(
-                "total-data-files".into(),
-                (t + files_delta).max(0).to_string(),
+                "deleted-data-files".into(),
+                report.files_removed.to_string(),
             );
-        }
-        if let Some(t) = total("total-files-size") {
+            props.insert("added-records".into(), report.rows_added.to_string());
+            props.insert("deleted-records".into(), report.rows_removed.to_string());
+            props.insert("added-files-size".into(), report.bytes_added.to_string());
             props.insert(
-                "total-files-size".into(),
-                (t + bytes_delta).max(0).to_string(),
+                "removed-files-size".into(),
+                report.bytes_removed.to_string(),
             );
-        }
-        if let Some(t) = total("total-records") {
-            let delta = report.rows_added as i64 - report.rows_removed as i64;
-            props.insert("total-records".into(), (t + delta).max(0).to_string());
-        }
-        props.insert("added-data-files".into(), report.files_added.to_string());
-        props.insert(
-            "deleted-data-files".into(),
-            report.files_removed.to_string(),
-        );
-        props.insert("added-records".into(), report.rows_added.to_string());
-        props.insert("deleted-records".into(), report.rows_removed.to_string());
-        props.insert("added-files-size".into(), report.bytes_added.to_string());
-        props.insert(
-            "removed-files-size".into(),
-            report.bytes_removed.to_string(),
-        );
-        let snapshot = Snapshot::builder()
-            .with_snapshot_id(snapshot_id)
-            .with_parent_snapshot_id(Some(current.snapshot_id()))
-            .with_sequence_number(sequence)
-            .with_timestamp_ms(chrono::Utc::now().timestamp_millis())
-            .with_manifest_list(list_path.clone())
-            .with_summary(Summary {
-                operation: report.operation.clone(),
-                additional_properties: props,
-            })
-            .with_schema_id(md.current_schema_id())
-            .build();
-        let new_md = md
-            .clone()
-            .into_builder(base.metadata_location().map(str::to_string))
-            .set_branch_snapshot(snapshot, iceberg::spec::MAIN_BRANCH)
-            .map_err(ice("add the replace snapshot"))?
-            .build()
-            .map_err(ice("build table metadata"))?
-            .metadata;
+            let snapshot = Snapshot::builder()
+                .with_snapshot_id(snapshot_id)
+                .with_parent_snapshot_id(Some(current.snapshot_id()))
+                .with_sequence_number(sequence)
+                .with_timestamp_ms(chrono::Utc::now().timestamp_millis())
+                .with_manifest_list(list_path.clone())
+                .with_summary(Summary {
+                    operation: report.operation.clone(),
+                    additional_properties: props,
+                })
+                .with_schema_id(md.current_schema_id())
+                .build();
+            let new_md = md
+                .clone()
+                .into_builder(base.metadata_location().map(str::to_string))
+                .set_branch_snapshot(snapshot, iceberg::spec::MAIN_BRANCH)
+                .map_err(ice("add the replace snapshot"))?
+                .build()
+                .map_err(ice("build table metadata"))?
+                .metadata;
+            Ok::<_, LakeError>((listed, new_md))
+        };
+        let (listed, new_md) = match attempt.await {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                let _ = io.delete(&list_path).await;
+                return Err(e);
+            }
+        };
         match self.commit_metadata(table, base, new_md).await {
             Ok(()) => {
-                prep.committed();
+                prep.committed(&io, &listed).await;
                 Ok(snapshot_id)
             }
-            Err(e) => {
+            // Another commit came first: nothing of this try is the table's.
+            Err(e) if e.kind() == ErrorKind::Conflict => {
                 let _ = io.delete(&list_path).await;
                 Err(e)
             }
+            // The swap may have happened all the same (an error after the database took
+            // it): the table says whether it holds the snapshot.
+            Err(e) => match self.table(table).await {
+                Ok(t) if t.metadata().snapshot_by_id(snapshot_id).is_some() => {
+                    prep.committed(&io, &listed).await;
+                    Ok(snapshot_id)
+                }
+                Ok(_) => {
+                    let _ = io.delete(&list_path).await;
+                    Err(e)
+                }
+                // Nothing written is deleted: the orphan sweep removes what no snapshot
+                // lists.
+                Err(_) => {
+                    prep.forget_written();
+                    Err(e)
+                }
+            },
         }
     }
 }

@@ -230,127 +230,134 @@ impl Lake {
         let io = self.table(table).await?.file_io().clone();
         // What a try wrote and no commit took: the rewritten files and the manifests.
         async fn discard(io: &iceberg::io::FileIO, added: &[DataFile], prep: &mut PreparedReplace) {
+            if prep.outcome_unknown() {
+                return;
+            }
             prep.discard(io).await;
             for f in added {
                 let _ = io.delete(f.file_path()).await;
             }
         }
         let mut prep = PreparedReplace::default();
-        for _ in 0..CONFLICT_ATTEMPTS {
-            let base = self.table(table).await?;
-            let md = base.metadata();
-            let Some(current) = md.current_snapshot() else {
-                return Ok((out, Vec::new()));
-            };
-            // The manifests read on an earlier try are not read again: a lost race costs
-            // the manifests appended since.
-            let files = prep.live_files(&base, current).await?;
-            let live: HashSet<&str> = files.iter().map(|f| f.file_path()).collect();
-            if removed.iter().any(|p| !live.contains(p.as_str())) {
-                // A file to replace was replaced by someone else: start over.
-                discard(&io, &added, &mut prep).await;
-                examined.clear();
-                removed.clear();
-                (bytes_removed, rows_removed_files) = (0, 0);
-                pending.clear();
-                added.clear();
-                erased.clear();
-            }
-            let schema = md.current_schema().clone();
-            let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
-            let spec = Some(md.default_partition_spec().clone());
-            let tasks: Vec<_> = files
-                .iter()
-                .filter(|f| !examined.contains(f.file_path()))
-                .map(|f| whole_file_task(f, &schema, &field_ids, spec.clone()))
-                .collect();
-            for task in tasks {
-                examined.insert(task.data_file_path.clone());
-                let path = task.data_file_path.clone();
-                let size = task.file_size_in_bytes;
-                let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
-                let mut file_kept = Vec::new();
-                let mut hit = false;
-                let mut rows = 0u64;
-                for b in &batches {
-                    rows += b.num_rows() as u64;
-                    let mask = keep(b)?;
-                    let gone = arrow::compute::not(&mask)
-                        .map_err(|e| LakeError::arrow("erasure mask", e))?;
-                    let dropped = arrow::compute::filter_record_batch(b, &gone)
-                        .map_err(|e| LakeError::arrow("erasure filter", e))?;
-                    if dropped.num_rows() > 0 {
-                        hit = true;
-                        erased.push(dropped);
-                    }
-                    file_kept.push(
-                        arrow::compute::filter_record_batch(b, &mask)
-                            .map_err(|e| LakeError::arrow("erasure filter", e))?,
-                    );
-                }
-                if hit {
-                    removed.insert(path);
-                    bytes_removed += size;
-                    rows_removed_files += rows;
-                    pending.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
-                }
-            }
-            if removed.is_empty() {
-                return Ok((out, Vec::new()));
-            }
-            if !pending.is_empty() {
-                let identity =
-                    CommitIdentity::new(format!("{erasure_id}-{}", table.name()), writes);
-                writes += 1;
-                let mut w = self.append_writer(table, &identity).await?;
-                for b in &pending {
-                    w.write(b).await?;
-                }
-                added.extend(w.finish().await?.into_files());
-                pending.clear();
-            }
-            let rows_kept: u64 = added.iter().map(|f| f.record_count()).sum();
-            let stats = RewriteStats {
-                operation: if added.is_empty() {
-                    Operation::Delete
-                } else {
-                    Operation::Overwrite
-                },
-                files_added: added.len(),
-                files_removed: removed.len(),
-                bytes_added: added.iter().map(|f| f.file_size_in_bytes()).sum(),
-                bytes_removed,
-                rows_added: rows_kept,
-                rows_removed: rows_removed_files,
-            };
-            match self
-                .commit_replace(table, &base, &removed, &added, &stats, &mut prep)
-                .await
-            {
-                Ok(id) => {
-                    out.rows = rows_removed_files - rows_kept;
-                    out.files_rewritten = removed.len();
-                    out.snapshot_id = Some(id);
-                    return Ok((out, erased));
-                }
-                // Lost the race to an append: read what it added, then try again.
-                Err(e) if e.kind() == ErrorKind::Conflict => {
-                    tracing::debug!(table = table.name(), "erasure lost a race; rebasing");
-                }
-                Err(e) => {
+        // Whatever ends the tries but a commit leaves nothing of theirs behind.
+        let outcome = async {
+            for _ in 0..CONFLICT_ATTEMPTS {
+                let base = self.table(table).await?;
+                let md = base.metadata();
+                let Some(current) = md.current_snapshot() else {
+                    return Ok((out, Vec::new()));
+                };
+                // The manifests read on an earlier try are not read again: a lost race costs
+                // the manifests appended since.
+                let files = prep.live_files(&base, current).await?;
+                let live: HashSet<&str> = files.iter().map(|f| f.file_path()).collect();
+                if removed.iter().any(|p| !live.contains(p.as_str())) {
+                    // A file to replace was replaced by someone else: start over.
                     discard(&io, &added, &mut prep).await;
-                    return Err(e);
+                    examined.clear();
+                    removed.clear();
+                    (bytes_removed, rows_removed_files) = (0, 0);
+                    pending.clear();
+                    added.clear();
+                    erased.clear();
+                }
+                let schema = md.current_schema().clone();
+                let field_ids: Vec<i32> =
+                    schema.as_struct().fields().iter().map(|f| f.id).collect();
+                let spec = Some(md.default_partition_spec().clone());
+                let tasks: Vec<_> = files
+                    .iter()
+                    .filter(|f| examined.insert(f.file_path().to_string()))
+                    .map(|f| whole_file_task(f, &schema, &field_ids, spec.clone()))
+                    .collect();
+                for task in tasks {
+                    let path = task.data_file_path.clone();
+                    let size = task.file_size_in_bytes;
+                    let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
+                    let mut file_kept = Vec::new();
+                    let mut hit = false;
+                    let mut rows = 0u64;
+                    for b in &batches {
+                        rows += b.num_rows() as u64;
+                        let mask = keep(b)?;
+                        let gone = arrow::compute::not(&mask)
+                            .map_err(|e| LakeError::arrow("erasure mask", e))?;
+                        let dropped = arrow::compute::filter_record_batch(b, &gone)
+                            .map_err(|e| LakeError::arrow("erasure filter", e))?;
+                        if dropped.num_rows() > 0 {
+                            hit = true;
+                            erased.push(dropped);
+                        }
+                        file_kept.push(
+                            arrow::compute::filter_record_batch(b, &mask)
+                                .map_err(|e| LakeError::arrow("erasure filter", e))?,
+                        );
+                    }
+                    if hit {
+                        removed.insert(path);
+                        bytes_removed += size;
+                        rows_removed_files += rows;
+                        pending.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
+                    }
+                }
+                if removed.is_empty() {
+                    return Ok((out, Vec::new()));
+                }
+                if !pending.is_empty() {
+                    let identity =
+                        CommitIdentity::new(format!("{erasure_id}-{}", table.name()), writes);
+                    writes += 1;
+                    let mut w = self.append_writer(table, &identity).await?;
+                    for b in &pending {
+                        w.write(b).await?;
+                    }
+                    added.extend(w.finish().await?.into_files());
+                    pending.clear();
+                }
+                let rows_kept: u64 = added.iter().map(|f| f.record_count()).sum();
+                let stats = RewriteStats {
+                    operation: if added.is_empty() {
+                        Operation::Delete
+                    } else {
+                        Operation::Overwrite
+                    },
+                    files_added: added.len(),
+                    files_removed: removed.len(),
+                    bytes_added: added.iter().map(|f| f.file_size_in_bytes()).sum(),
+                    bytes_removed,
+                    rows_added: rows_kept,
+                    rows_removed: rows_removed_files,
+                };
+                match self
+                    .commit_replace(table, &base, &removed, &added, &stats, &mut prep)
+                    .await
+                {
+                    Ok(id) => {
+                        out.rows = rows_removed_files - rows_kept;
+                        out.files_rewritten = removed.len();
+                        out.snapshot_id = Some(id);
+                        return Ok((out, erased));
+                    }
+                    // Lost the race to an append: read what it added, then try again.
+                    Err(e) if e.kind() == ErrorKind::Conflict => {
+                        tracing::debug!(table = table.name(), "erasure lost a race; rebasing");
+                    }
+                    Err(e) => return Err(e),
                 }
             }
+            Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{}: erasure lost {CONFLICT_ATTEMPTS} races in a row",
+                    table.name()
+                ),
+            ))
         }
-        discard(&io, &added, &mut prep).await;
-        Err(LakeError::new(
-            ErrorKind::Conflict,
-            format!(
-                "{}: erasure lost {CONFLICT_ATTEMPTS} races in a row",
-                table.name()
-            ),
-        ))
+        .await;
+        if outcome.is_err() {
+            discard(&io, &added, &mut prep).await;
+        }
+        outcome
     }
 
     /// The rows `hit` selects in the data files that only older retained snapshots of
