@@ -1381,6 +1381,7 @@ async fn snapshots_and_time_travel() {
             .await
             .unwrap_err();
         assert_eq!(err.kind(), signalweave_model::ErrorKind::NotFound, "{err}");
+        assert!(err.to_string().contains("the table was made at"), "{err}");
         let ctx = lake
             .session_context_as_of(AsOf::Timestamp(between))
             .await
@@ -1393,6 +1394,23 @@ async fn snapshots_and_time_travel() {
         };
         let err = read.await.unwrap_err().to_string();
         assert!(err.contains("no longer retains"), "{err}");
+        let ctx = lake
+            .session_context_as_of(AsOf::Timestamp(0))
+            .await
+            .unwrap();
+        let out = ctx
+            .sql("select count(*) from signalweave.events")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(
+            out[0].column(0).as_primitive::<Int64Type>().value(0),
+            0,
+            "{}: before the table was made, after the expiry",
+            b.name
+        );
         assert_eq!(
             count(&lake, "select count(*) from signalweave.events").await,
             300

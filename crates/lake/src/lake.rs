@@ -442,11 +442,16 @@ impl Lake {
         }
         let schema = table.iceberg_schema()?;
         let spec = table.partition_spec(&schema)?;
+        let mut properties = table.properties();
+        properties.insert(
+            crate::layout::PROP_CREATED_MS.to_string(),
+            chrono::Utc::now().timestamp_millis().to_string(),
+        );
         let creation = TableCreation::builder()
             .name(table.name().to_string())
             .schema(schema)
             .partition_spec(spec)
-            .properties(table.properties())
+            .properties(properties)
             .build();
         match self.catalog.create_table(&ns, creation).await {
             Ok(_) => Ok(true),
@@ -1056,10 +1061,18 @@ impl Lake {
     /// The snapshot of `table` that was current at `timestamp_ms`; None when the table
     /// had none yet. Fails (`NotFound`) when the snapshot current then has been expired:
     /// the table held data at that time that it no longer retains, and an empty answer
-    /// would be a wrong one.
+    /// would be a wrong one. A moment before the table was made is None, whatever has
+    /// expired since.
     pub async fn snapshot_as_of(&self, table: LakeTable, timestamp_ms: i64) -> Result<Option<i64>> {
         let t = self.table(table).await?;
         let meta = t.metadata();
+        let created = meta
+            .properties()
+            .get(crate::layout::PROP_CREATED_MS)
+            .and_then(|v| v.parse::<i64>().ok());
+        if created.is_some_and(|created| timestamp_ms < created) {
+            return Ok(None);
+        }
         let then = meta
             .history()
             .iter()
@@ -1082,9 +1095,16 @@ impl Lake {
                 ErrorKind::NotFound,
                 format!(
                     "`{}` no longer retains its snapshot of {}: its history starts at {since} \
-                     (older snapshots expired)",
+                     (older snapshots expired){}",
                     table.name(),
-                    signalweave_model::format_rfc3339_micros(timestamp_ms.saturating_mul(1000))
+                    signalweave_model::format_rfc3339_micros(timestamp_ms.saturating_mul(1000)),
+                    match created {
+                        Some(ms) => format!(
+                            "; the table was made at {}",
+                            signalweave_model::format_rfc3339_micros(ms.saturating_mul(1000))
+                        ),
+                        None => String::new(),
+                    }
                 ),
             ));
         }

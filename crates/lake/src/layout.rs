@@ -21,6 +21,10 @@ pub const SUMMARY_BATCH_SEQ: &str = "signalweave.batch-seq";
 /// Table property: layout version written by this code.
 pub const PROP_LAYOUT_VERSION: &str = "signalweave.layout-version";
 
+/// Table property: when the table was made (ms since the epoch). Time travel to a moment
+/// before it reads the table as empty, which no snapshot expiry can make untrue.
+pub const PROP_CREATED_MS: &str = "signalweave.created-ms";
+
 /// Default snapshot retention: 2 minutes. Tables take a commit about every second: every
 /// retained snapshot is a line of the metadata file that each commit rewrites, so the
 /// retention sets both the commit latency and the metadata size. Nothing reads history
