@@ -686,6 +686,36 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
 /// erasure loses costs it the manifests appended since, not every manifest of the table,
 /// so it commits even when appends come back to back and the table lists hundreds of
 /// manifests (reading them all on every try, it lost all its tries).
+/// Two renewals of one owner's lease in flight at once (a live job's renewer and the one
+/// its recovery starts) both hold: neither fences the owner out of its own lease, while
+/// another owner is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_of_one_owner_never_fence_it_out() {
+    let b = support::embedded();
+    let lake = open(&b).await;
+    let ttl = std::time::Duration::from_secs(10);
+    let owner = "host:1:run-a";
+    lake.take_lease("live", "job", "live", owner, ttl)
+        .await
+        .unwrap();
+    for round in 0..300 {
+        let (a, b) = tokio::join!(
+            lake.take_lease("live", "job", "live", owner, ttl),
+            lake.take_lease("live", "job", "live", owner, ttl),
+        );
+        assert!(a.is_ok() && b.is_ok(), "round {round}: {a:?} {b:?}");
+    }
+    let other = lake
+        .take_lease("live", "job", "live", "host:1:run-b", ttl)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        other.kind(),
+        signalweave_model::ErrorKind::Conflict,
+        "{other}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_erasure_commits_while_appends_keep_coming() {
     let b = support::embedded();

@@ -408,6 +408,13 @@ fn an_object_store_outage_stalls_the_job_visibly_and_it_recovers_without_loss() 
         "the job to recover and catch up",
         Duration::from_secs(90),
         || {
+            // A job fenced out of its own lease (two renewals of one owner raced) exits
+            // and never recovers.
+            let log = p.log();
+            assert!(
+                !log.contains("lease was taken"),
+                "the job lost its own lease:\n{log}"
+            );
             status_json(&base).is_some_and(|s| {
                 s["state"] == "running" && s["lag_snapshots"] == 0 && s["lag_records"] == 0
             }) && sql(&lake, "select count(*) n from signalweave.events")[0]["n"].as_i64()

@@ -115,8 +115,29 @@ impl Lake {
                 format!("the lease of {job} ({namespace}) vanished while it was taken"),
             ));
         };
-        let free = held_by == owner || held_until < now || owner_gone(&held_by);
-        if free {
+        if held_by == owner {
+            // A renewal: it holds while the owner does, whatever another renewal of the
+            // same owner wrote meanwhile (two of them in flight must not fence the owner
+            // out of its own lease).
+            let n = sqlx::query(&self.control_sql(
+                "UPDATE sw_leases SET lease_until_ms = $1 \
+                 WHERE catalog_name = $2 AND scope = $3 AND job = $4 AND namespace = $5 \
+                 AND owner = $6",
+            ))
+            .bind(until)
+            .bind(catalog)
+            .bind(scope)
+            .bind(job)
+            .bind(namespace)
+            .bind(owner)
+            .execute(self.control_pool())
+            .await
+            .map_err(|e| LakeError::sql("renew a lease", e))?
+            .rows_affected();
+            if n == 1 {
+                return Ok(());
+            }
+        } else if held_until < now || owner_gone(&held_by) {
             // Taken only from the holder just read: a race with another taker has one winner.
             let n = sqlx::query(&self.control_sql(
                 "UPDATE sw_leases SET owner = $1, lease_until_ms = $2 \
@@ -136,9 +157,7 @@ impl Lake {
             .map_err(|e| LakeError::sql("take a lease", e))?
             .rows_affected();
             if n == 1 {
-                if held_by != owner {
-                    tracing::info!(scope, job, namespace, previous = %held_by, "lease taken over");
-                }
+                tracing::info!(scope, job, namespace, previous = %held_by, "lease taken over");
                 return Ok(());
             }
         }
