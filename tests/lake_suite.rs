@@ -1424,6 +1424,7 @@ async fn snapshots_and_time_travel() {
         };
         let err = read.await.unwrap_err().to_string();
         assert!(err.contains("no longer retains"), "{err}");
+        assert!(err.contains("the table was made at"), "{err}");
         let ctx = lake
             .session_context_as_of(AsOf::Timestamp(0))
             .await

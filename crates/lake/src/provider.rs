@@ -221,11 +221,16 @@ impl TableProvider for LakeTableProvider {
         let snapshot = match self.snapshot {
             SnapshotChoice::Empty => return empty(),
             SnapshotChoice::Expired(ms) => {
-                return Err(datafusion::error::DataFusionError::Plan(format!(
-                    "`{}` no longer retains its snapshot of {} (older snapshots expired)",
-                    self.table.name(),
-                    signalweave_model::format_rfc3339_micros(ms.saturating_mul(1000))
-                )));
+                // The lake's own account of what expired (and when the table was made).
+                let why = match self.lake.snapshot_as_of(self.table, ms).await {
+                    Err(e) => e.message().to_string(),
+                    Ok(_) => format!(
+                        "`{}` no longer retains its snapshot of {} (older snapshots expired)",
+                        self.table.name(),
+                        signalweave_model::format_rfc3339_micros(ms.saturating_mul(1000))
+                    ),
+                };
+                return Err(datafusion::error::DataFusionError::Plan(why));
             }
             SnapshotChoice::Current => None,
             SnapshotChoice::At(id) => Some(id),
