@@ -13,8 +13,8 @@ use futures::{StreamExt, TryStreamExt};
 use iceberg::io::FileIO;
 use iceberg::scan::FileScanTask;
 use iceberg::spec::{
-    DataContentType, DataFile, Manifest, ManifestContentType, ManifestFile, ManifestListWriter,
-    ManifestWriterBuilder, Operation, Snapshot, SnapshotRef, Summary,
+    DataContentType, DataFile, DataFileBuilder, Manifest, ManifestContentType, ManifestFile,
+    ManifestListWriter, ManifestWriterBuilder, Operation, Snapshot, SnapshotRef, Summary,
 };
 use iceberg::table::Table;
 use serde::Serialize;
@@ -309,6 +309,40 @@ impl PreparedReplace {
     }
 }
 
+/// `file` without its columns' lower and upper bounds. A replaced file stays in the
+/// rewritten manifest as a DELETED entry, which no scan reads; its bounds are the smallest
+/// and largest values it held, so an erased subject's id could be one of them.
+fn without_bounds(file: &DataFile, spec_id: i32) -> Result<DataFile> {
+    let mut b = DataFileBuilder::default();
+    b.content(file.content_type())
+        .file_path(file.file_path().to_string())
+        .file_format(file.file_format())
+        .partition(file.partition().clone())
+        .record_count(file.record_count())
+        .file_size_in_bytes(file.file_size_in_bytes())
+        .column_sizes(file.column_sizes().clone())
+        .value_counts(file.value_counts().clone())
+        .null_value_counts(file.null_value_counts().clone())
+        .nan_value_counts(file.nan_value_counts().clone())
+        .key_metadata(file.key_metadata().map(<[u8]>::to_vec))
+        .split_offsets(file.split_offsets().map(<[i64]>::to_vec))
+        .equality_ids(file.equality_ids())
+        .first_row_id(file.first_row_id())
+        .partition_spec_id(spec_id)
+        .referenced_data_file(file.referenced_data_file())
+        .content_offset(file.content_offset())
+        .content_size_in_bytes(file.content_size_in_bytes());
+    if let Some(id) = file.sort_order_id() {
+        b.sort_order_id(id);
+    }
+    b.build().map_err(|e| {
+        LakeError::new(
+            ErrorKind::Internal,
+            format!("a replaced file's entry without its bounds: {e}"),
+        )
+    })
+}
+
 fn ice(context: &str) -> impl FnOnce(iceberg::Error) -> LakeError + '_ {
     move |e| LakeError::iceberg(context, e)
 }
@@ -570,7 +604,8 @@ impl Lake {
                 let seq = e.sequence_number().unwrap_or(0);
                 let file_seq = Some(e.file_sequence_number.unwrap_or(seq));
                 if removed.contains(e.file_path()) {
-                    w.add_delete_file(e.data_file().clone(), seq, file_seq)
+                    let gone = without_bounds(e.data_file(), m.partition_spec_id)?;
+                    w.add_delete_file(gone, seq, file_seq)
                         .map_err(ice("record a replaced file"))?;
                 } else {
                     w.add_existing_file(
