@@ -68,6 +68,30 @@ fn rows(batches: &[RecordBatch]) -> usize {
     batches.iter().map(RecordBatch::num_rows).sum()
 }
 
+/// Appends `evs` to `events` in commits of `chunk` events, named `writer`.
+async fn land_in_chunks(lake: &Lake, evs: &[Event], chunk: usize, writer: &str) {
+    for (i, part) in evs.chunks(chunk).enumerate() {
+        lake.append(
+            LakeTable::Events,
+            &[batch(part)],
+            &CommitIdentity::new(writer, i as u64),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// How many of `evs` each customer has.
+fn per_customer(evs: &[Event]) -> std::collections::HashMap<&str, usize> {
+    let mut n: std::collections::HashMap<&str, usize> = Default::default();
+    for e in evs {
+        if let Some(c) = e.customer_id.as_deref() {
+            *n.entry(c).or_default() += 1;
+        }
+    }
+    n
+}
+
 async fn open(b: &support::Backend) -> Lake {
     let lake = Lake::open(b.config.clone()).await.unwrap();
     lake.init().await.unwrap();
@@ -726,24 +750,10 @@ async fn an_erasure_commits_while_appends_keep_coming() {
         ..Default::default()
     });
     // One manifest per append: 300 of them.
-    for (i, chunk) in evs.chunks(10).enumerate() {
-        lake.append(
-            LakeTable::Events,
-            &[batch(chunk)],
-            &CommitIdentity::new("landed", i as u64),
-        )
-        .await
-        .unwrap();
-    }
-    let mut per_customer: std::collections::HashMap<&str, usize> = Default::default();
-    for e in &evs {
-        if let Some(c) = e.customer_id.as_deref() {
-            *per_customer.entry(c).or_default() += 1;
-        }
-    }
+    land_in_chunks(&lake, &evs, 10, "landed").await;
     // The smallest customer id: the lower bound of `customer_id` in every file that
     // holds one of their events.
-    let (subject, theirs) = per_customer
+    let (subject, theirs) = per_customer(&evs)
         .iter()
         .min_by_key(|(c, _)| **c)
         .map(|(c, n)| (c.to_string(), *n))
@@ -832,22 +842,8 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
     for b in support::backends() {
         let lake = open(&b).await;
         let evs = three_days();
-        for (i, chunk) in evs.chunks(300).enumerate() {
-            lake.append(
-                LakeTable::Events,
-                &[batch(chunk)],
-                &CommitIdentity::new("e", i as u64),
-            )
-            .await
-            .unwrap();
-        }
-        let mut per_customer: std::collections::HashMap<&str, usize> = Default::default();
-        for e in &evs {
-            if let Some(c) = e.customer_id.as_deref() {
-                *per_customer.entry(c).or_default() += 1;
-            }
-        }
-        let subject = per_customer
+        land_in_chunks(&lake, &evs, 300, "e").await;
+        let subject = per_customer(&evs)
             .iter()
             .max_by_key(|(c, n)| (**n, std::cmp::Reverse(**c)))
             .map(|(c, _)| c.to_string())
