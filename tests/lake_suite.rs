@@ -64,6 +64,19 @@ async fn count(lake: &Lake, sql: &str) -> i64 {
     batches[0].column(0).as_primitive::<Int64Type>().value(0)
 }
 
+/// `select count(*)` of `events` in a session pinned as `as_of` says.
+async fn count_as_of(lake: &Lake, as_of: AsOf) -> i64 {
+    let ctx = lake.session_context_as_of(as_of).await.unwrap();
+    let out = ctx
+        .sql("select count(*) from signalweave.events")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    out[0].column(0).as_primitive::<Int64Type>().value(0)
+}
+
 fn rows(batches: &[RecordBatch]) -> usize {
     batches.iter().map(RecordBatch::num_rows).sum()
 }
@@ -1373,34 +1386,15 @@ async fn snapshots_and_time_travel() {
             Some(first.snapshot_id)
         );
         for as_of in [AsOf::Timestamp(between), AsOf::Snapshot(first.snapshot_id)] {
-            let ctx = lake.session_context_as_of(as_of).await.unwrap();
-            let out = ctx
-                .sql("select count(*) from signalweave.events")
-                .await
-                .unwrap()
-                .collect()
-                .await
-                .unwrap();
             assert_eq!(
-                out[0].column(0).as_primitive::<Int64Type>().value(0),
+                count_as_of(&lake, as_of).await,
                 100,
                 "{}: {as_of:?}",
                 b.name
             );
         }
         // Before anything was committed the table reads as empty.
-        let ctx = lake
-            .session_context_as_of(AsOf::Timestamp(0))
-            .await
-            .unwrap();
-        let out = ctx
-            .sql("select count(*) from signalweave.events")
-            .await
-            .unwrap()
-            .collect()
-            .await
-            .unwrap();
-        assert_eq!(out[0].column(0).as_primitive::<Int64Type>().value(0), 0);
+        assert_eq!(count_as_of(&lake, AsOf::Timestamp(0)).await, 0);
         assert!(lake.session_context_as_of(AsOf::Snapshot(1)).await.is_err());
         // Expiry by the retention rule keeps the current snapshot and every row.
         let kept = lake
@@ -1449,19 +1443,8 @@ async fn snapshots_and_time_travel() {
         let err = read.await.unwrap_err().to_string();
         assert!(err.contains("no longer retains"), "{err}");
         assert!(err.contains("the table was made at"), "{err}");
-        let ctx = lake
-            .session_context_as_of(AsOf::Timestamp(0))
-            .await
-            .unwrap();
-        let out = ctx
-            .sql("select count(*) from signalweave.events")
-            .await
-            .unwrap()
-            .collect()
-            .await
-            .unwrap();
         assert_eq!(
-            out[0].column(0).as_primitive::<Int64Type>().value(0),
+            count_as_of(&lake, AsOf::Timestamp(0)).await,
             0,
             "{}: before the table was made, after the expiry",
             b.name

@@ -25,7 +25,7 @@ use crate::lake::{
     CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake, on_table_schema, whole_file_task,
 };
 use crate::layout::LakeTable;
-use crate::maintain::{current_manifests, data_manifests};
+use crate::maintain::{current_manifests, data_manifests, live_data};
 
 /// What [`Lake::compact`] does.
 #[derive(Debug, Clone)]
@@ -176,9 +176,7 @@ impl ManifestReads {
                 manifest
                     .entries()
                     .iter()
-                    .filter(|e| {
-                        e.is_alive() && e.data_file().content_type() == DataContentType::Data
-                    })
+                    .filter(|e| live_data(e))
                     .map(|e| e.data_file().clone())
                     .collect::<Vec<_>>()
             })

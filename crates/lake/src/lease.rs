@@ -115,34 +115,16 @@ impl Lake {
                 format!("the lease of {job} ({namespace}) vanished while it was taken"),
             ));
         };
-        if held_by == owner {
-            // A renewal: it holds while the owner does, whatever another renewal of the
-            // same owner wrote meanwhile (two of them in flight must not fence the owner
-            // out of its own lease).
-            let n = sqlx::query(&self.control_sql(
-                "UPDATE sw_leases SET lease_until_ms = $1 \
-                 WHERE catalog_name = $2 AND scope = $3 AND job = $4 AND namespace = $5 \
-                 AND owner = $6",
-            ))
-            .bind(until)
-            .bind(catalog)
-            .bind(scope)
-            .bind(job)
-            .bind(namespace)
-            .bind(owner)
-            .execute(self.control_pool())
-            .await
-            .map_err(|e| LakeError::sql("renew a lease", e))?
-            .rows_affected();
-            if n == 1 {
-                return Ok(());
-            }
-        } else if held_until < now || owner_gone(&held_by) {
-            // Taken only from the holder just read: a race with another taker has one winner.
+        let free = held_by == owner || held_until < now || owner_gone(&held_by);
+        if free {
+            // A renewal holds while the owner does, whatever another renewal of the same
+            // owner wrote meanwhile (two in flight must not fence the owner out of its own
+            // lease). A takeover holds only from the holder just read: a race with
+            // another taker has one winner.
             let n = sqlx::query(&self.control_sql(
                 "UPDATE sw_leases SET owner = $1, lease_until_ms = $2 \
                  WHERE catalog_name = $3 AND scope = $4 AND job = $5 AND namespace = $6 \
-                 AND owner = $7 AND lease_until_ms = $8",
+                 AND owner = $7 AND (owner = $1 OR lease_until_ms = $8)",
             ))
             .bind(owner)
             .bind(until)
@@ -157,7 +139,9 @@ impl Lake {
             .map_err(|e| LakeError::sql("take a lease", e))?
             .rows_affected();
             if n == 1 {
-                tracing::info!(scope, job, namespace, previous = %held_by, "lease taken over");
+                if held_by != owner {
+                    tracing::info!(scope, job, namespace, previous = %held_by, "lease taken over");
+                }
                 return Ok(());
             }
         }

@@ -182,6 +182,11 @@ pub(crate) fn fresh_snapshot_id(md: &TableMetadata) -> i64 {
     }
 }
 
+/// Whether a manifest entry is a data file the snapshot that lists it holds.
+pub(crate) fn live_data(e: &iceberg::spec::ManifestEntry) -> bool {
+    e.is_alive() && e.data_file().content_type() == DataContentType::Data
+}
+
 /// The manifests listed by `snapshot` of `base`.
 pub(crate) async fn current_manifests(
     base: &Table,
@@ -843,9 +848,7 @@ impl Lake {
                 manifest
                     .entries()
                     .iter()
-                    .filter(|e| {
-                        e.is_alive() && e.data_file().content_type() == DataContentType::Data
-                    })
+                    .filter(|e| live_data(e))
                     .map(|e| e.file_path().to_string())
                     .collect(),
             );
