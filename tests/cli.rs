@@ -388,18 +388,21 @@ fn an_erasure_killed_before_its_expiry_completes_when_run_again() {
         .unwrap();
     let erase = |fault: Option<&str>| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_signalweave"));
-        c.arg("--lake").arg(&lake).args([
-            "lake",
-            "erase",
-            "--customer-id",
-            "c-7",
-            "--tenant",
-            "tenant-0",
-            "--reason",
-            "ticket-9",
-            "--format",
-            "json",
-        ]);
+        c.current_dir(support::repo())
+            .arg("--lake")
+            .arg(&lake)
+            .args([
+                "lake",
+                "erase",
+                "--customer-id",
+                "c-7",
+                "--tenant",
+                "tenant-0",
+                "--reason",
+                "ticket-9",
+                "--format",
+                "json",
+            ]);
         if let Some(f) = fault {
             c.env("SIGNALWEAVE_ERASE_FAULT", f);
         }

@@ -801,3 +801,185 @@ fn up_runs_notifications_beside_the_live_jobs() {
     assert_exactly_once(&sink, count(&st, "delivered"), "up");
     sink.stop();
 }
+
+/// An erasure takes the customer from every output keyed by them, live and backfilled,
+/// and from the effect ledger: no key, no message and no answer of the provider's is left
+/// of them; the other customers' rows and effects are as they were. Run again, it finds
+/// nothing more.
+#[test]
+fn an_erasure_takes_the_customer_from_outputs_and_effects() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let spec = shipped_spec();
+    let sink = Sink::start(&[]);
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    sink.stop();
+    ok(sw(&lake)
+        .args(["backfill", "start", "--job", "customer_features"])
+        .args([
+            "--from",
+            "2026-01-01T00:00:00Z",
+            "--to",
+            "2026-01-01T12:00:00Z",
+        ])
+        .args(["--namespace", "replay", "--quiet"])
+        .output()
+        .unwrap());
+    ok(sw(&lake)
+        .args(["effects", "run", "--until-settled", "--namespace", "replay"])
+        .output()
+        .unwrap());
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let control = rt.block_on(async {
+        signalweave_lake::Lake::open(signalweave_lake::LakeConfig::embedded(&lake))
+            .await
+            .unwrap()
+            .control_pool()
+            .clone()
+    });
+    let scalar = |sql: &str, key: &str| -> i64 {
+        rt.block_on(
+            sqlx::query_scalar::<_, i64>(sql)
+                .bind(key.to_string())
+                .fetch_one(&control),
+        )
+        .unwrap()
+    };
+    // The subject: a customer told of their orders.
+    let key: String = rt
+        .block_on(
+            sqlx::query_scalar(
+                "SELECT effect_key FROM sw_effects WHERE namespace = 'live' \
+                 AND state = 'delivered' ORDER BY effect_id LIMIT 1",
+            )
+            .fetch_one(&control),
+        )
+        .unwrap();
+    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(&key)).unwrap();
+    let effects_of =
+        |key: &str| scalar("SELECT COUNT(*) FROM sw_effects WHERE effect_key = ?", key);
+    let answered_of = |key: &str| {
+        scalar(
+            "SELECT COUNT(*) FROM sw_effect_attempts a JOIN sw_effects e ON \
+             e.catalog_name = a.catalog_name AND e.namespace = a.namespace \
+             AND e.effect_id = a.effect_id WHERE e.effect_key = ? AND a.answer IS NOT NULL",
+            key,
+        )
+    };
+    let mentions = || {
+        scalar(
+            "SELECT COUNT(*) FROM sw_effects WHERE message LIKE ?",
+            &format!("%{key}:%"),
+        )
+    };
+    let rows = |table: &str, cond: &str| {
+        support::cli::count(
+            &lake,
+            &format!("select count(*) from signalweave.{table} where {cond}"),
+        )
+    };
+    let theirs = format!("key = '{}'", key.replace('\'', "''"));
+    let tables = ["customer_features", "customer_features__bf_replay"];
+    let before: Vec<(i64, i64)> = tables
+        .iter()
+        .map(|t| (rows(t, &theirs), rows(t, "true")))
+        .collect();
+    for (t, (mine, _)) in tables.iter().zip(&before) {
+        assert!(*mine > 0, "{t} has no rows of {key}");
+    }
+    let plain = |sql: &str| -> i64 {
+        rt.block_on(sqlx::query_scalar::<_, i64>(sql).fetch_one(&control))
+            .unwrap()
+    };
+    let (effects, all_effects) = (effects_of(&key), plain("SELECT COUNT(*) FROM sw_effects"));
+    assert!(
+        effects >= 2,
+        "a live and a replayed effect of {key}: {effects}"
+    );
+    assert!(mentions() > 0);
+    let answered = answered_of(&key);
+    let answers = "SELECT COUNT(*) FROM sw_effect_attempts WHERE answer IS NOT NULL";
+    let others_answered = plain(answers) - answered;
+
+    let erase = || {
+        let out = ok(sw(&lake)
+            .args([
+                "lake",
+                "erase",
+                "--customer-id",
+                &customer,
+                "--tenant",
+                &tenant,
+            ])
+            .args(["--reason", "ticket-11", "--format", "json"])
+            .output()
+            .unwrap());
+        let report: Vec<Value> = serde_json::from_str(&out).unwrap();
+        report
+            .into_iter()
+            .map(|r| {
+                let n = r["rows erased"]
+                    .as_str()
+                    .unwrap_or("0")
+                    .parse()
+                    .unwrap_or(0);
+                (r["table"].as_str().unwrap().to_string(), n)
+            })
+            .collect::<HashMap<String, i64>>()
+    };
+    let erased = erase();
+    for (t, (mine, all)) in tables.iter().zip(&before) {
+        assert_eq!(erased[*t], *mine, "{t}: {erased:?}");
+        assert_eq!(rows(t, &theirs), 0, "{t}");
+        assert_eq!(
+            rows(t, "true"),
+            all - mine,
+            "{t}: other customers' rows stay"
+        );
+    }
+    assert_eq!(erased["sw_effects"], effects, "{erased:?}");
+    assert_eq!(effects_of(&key), 0);
+    assert_eq!(mentions(), 0);
+    assert_eq!(
+        plain("SELECT COUNT(*) FROM sw_effects"),
+        all_effects,
+        "effects are kept, without the subject"
+    );
+    assert_eq!(
+        plain("SELECT COUNT(*) FROM sw_effects WHERE effect_key = '' AND message = ''"),
+        effects
+    );
+    assert_eq!(
+        plain(answers),
+        others_answered,
+        "{answered} answers of the subject's went, no other"
+    );
+    // The record counts the ledger's rows too, and names no value.
+    let record: String = rt
+        .block_on(
+            sqlx::query_scalar(
+                "SELECT tables_json FROM sw_erasures ORDER BY erased_ms DESC LIMIT 1",
+            )
+            .fetch_one(&control),
+        )
+        .unwrap();
+    assert!(record.contains("sw_effects"), "{record}");
+    assert!(!record.contains(customer.as_str()), "{record}");
+
+    // The readers caught up at the erasure go on from it: the live job, and the
+    // notifier of the backfill's outputs, which records nothing new.
+    run_until_caught_up(&lake);
+    ok(sw(&lake)
+        .args(["effects", "run", "--until-settled", "--namespace", "replay"])
+        .output()
+        .unwrap());
+    assert_eq!(plain("SELECT COUNT(*) FROM sw_effects"), all_effects);
+    let again = erase();
+    for t in tables.iter().chain(&["sw_effects"]) {
+        assert_eq!(again[*t], 0, "{t}: {again:?}");
+    }
+}

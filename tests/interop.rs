@@ -152,6 +152,7 @@ async fn check(config: &LakeConfig) {
             tenant: None,
             reason: "interop".into(),
             requested_by: "test".into(),
+            outputs: Vec::new(),
         })
         .await
         .unwrap();

@@ -808,6 +808,7 @@ async fn an_erasure_commits_while_appends_keep_coming() {
             tenant: None,
             reason: "ticket-9".into(),
             requested_by: "test".into(),
+            outputs: Vec::new(),
         })
         .await;
     done.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -909,6 +910,7 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
                 tenant: None,
                 reason: "ticket-7".into(),
                 requested_by: "test".into(),
+                outputs: Vec::new(),
             })
             .await
             .unwrap();
@@ -1032,6 +1034,7 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
                 tenant: Some(erased_tenant.clone()),
                 reason: "ticket-8".into(),
                 requested_by: "test".into(),
+                outputs: Vec::new(),
             })
             .await
             .unwrap();

@@ -227,7 +227,7 @@ pub fn parse_time(name: &str, s: &str) -> Result<i64> {
     Ok(t.timestamp_micros())
 }
 
-fn spec_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+pub(crate) fn spec_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let path = entry?.path();
         if path.is_dir() {
@@ -240,7 +240,7 @@ fn spec_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 /// A notification job (`kind = "notification"`), not a window job.
-fn is_notification_spec(path: &Path) -> bool {
+pub(crate) fn is_notification_spec(path: &Path) -> bool {
     std::fs::read_to_string(path)
         .ok()
         .and_then(|t| toml::from_str::<toml::Table>(&t).ok())

@@ -10,6 +10,7 @@ mod backfill;
 mod bench;
 mod bench_live;
 mod effects;
+mod erase;
 mod ingest;
 mod live;
 #[macro_use]
@@ -188,9 +189,10 @@ enum LakeCommand {
         format: Format,
     },
     /// Erase a data subject: remove the customer's events (and the late and rejected rows
-    /// that identify them) by rewriting the affected files, expire the snapshots that still
-    /// reference the old files and delete them; record the erasure (not the values) and
-    /// report what derived outputs must be recomputed.
+    /// that identify them) and every version of the output windows keyed by the customer
+    /// by rewriting the affected files, erase their notifications' keys and messages,
+    /// expire the snapshots that still reference the old files and delete them; record
+    /// the erasure (not the values) and report what derived outputs must be recomputed.
     Erase {
         /// The customer to erase.
         #[arg(long)]
@@ -208,6 +210,11 @@ enum LakeCommand {
         /// Who asked (recorded).
         #[arg(long, env = "USER", default_value = "unknown")]
         requested_by: String,
+        /// Directory of job specs (every version under it): the outputs whose key names
+        /// a customer lose the subject's windows, and the notifications of those jobs
+        /// their effects.
+        #[arg(long, default_value = "jobs")]
+        jobs_dir: PathBuf,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
@@ -474,71 +481,18 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             all_tenants: _,
             reason,
             requested_by,
+            jobs_dir,
             format,
         }) => {
             let lake = open_existing_lake(&cli).await?;
-            let report = lake
-                .erase_customer(&signalweave_lake::ErasureRequest {
-                    customer_id: customer_id.clone(),
-                    tenant: tenant.clone(),
-                    reason: reason.clone(),
-                    requested_by: requested_by.clone(),
-                })
-                .await?;
-            let mut rows: Vec<Vec<String>> = report
-                .tables
-                .iter()
-                .map(|t| {
-                    vec![
-                        t.table.clone(),
-                        t.rows.to_string(),
-                        t.files_rewritten.to_string(),
-                        t.snapshot_id.map(|s| s.to_string()).unwrap_or_default(),
-                    ]
-                })
-                .collect();
-            rows.push(vec![
-                "(old files deleted)".into(),
-                String::new(),
-                report.data_files_deleted.to_string(),
-                format!("{} snapshots expired", report.snapshots_expired),
-            ]);
-            print_rows(
-                *format,
-                &["table", "rows erased", "files", "snapshot"],
-                rows,
-            )?;
-            if let Some((lo, hi)) = report.event_time_range {
-                eprintln!(
-                    "erasure {} recorded. Recompute derived outputs with a backfill over {} .. {} (markets: {}; event types: {}).",
-                    report.erasure_id,
-                    signalweave_model::format_rfc3339_micros(lo),
-                    signalweave_model::format_rfc3339_micros(hi),
-                    report
-                        .markets
-                        .iter()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    report
-                        .event_types
-                        .iter()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            } else if report.snapshots_expired > 0 {
-                eprintln!(
-                    "erasure {} recorded; the current snapshot held no events of this customer, \
-                     older snapshots did (an erasure stopped before its expiry): {} expired.",
-                    report.erasure_id, report.snapshots_expired
-                );
-            } else {
-                eprintln!(
-                    "erasure {} recorded; no events of this customer were found.",
-                    report.erasure_id
-                );
-            }
+            let request = signalweave_lake::ErasureRequest {
+                customer_id: customer_id.clone(),
+                tenant: tenant.clone(),
+                reason: reason.clone(),
+                requested_by: requested_by.clone(),
+                outputs: Vec::new(),
+            };
+            erase::run(&lake, request, jobs_dir, *format).await?;
         }
         Command::Lake(LakeCommand::Maintain {
             table,

@@ -108,6 +108,8 @@ pub mod state {
     pub const RECONCILED: &str = "reconciled";
     /// A backfill's effect: recorded for comparison, never sent.
     pub const WOULD_SEND: &str = "would_send";
+    /// Its subject was erased before it was settled: never sent (again).
+    pub const ERASED: &str = "erased";
 }
 
 fn now_ms() -> i64 {
@@ -535,11 +537,14 @@ impl Ledger {
         let effect = self.sql(
             "UPDATE sw_effects SET state = $1, updated_ms = $2, next_attempt_ms = $3, \
              delivered_ms = COALESCE(delivered_ms, $4), provider_ref = COALESCE($5, provider_ref), last_error = $6 \
-             WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8",
+             WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8 AND state <> 'erased'",
         );
+        // An effect erased in flight keeps no answer: the provider's may repeat its message.
         let attempt = self.sql(
-            "UPDATE sw_effect_attempts SET finished_ms = $1, outcome = $2, http_status = $3, answer = $4 \
-             WHERE catalog_name = $5 AND namespace = 'live' AND effect_id = $6 AND attempt = $7",
+            "UPDATE sw_effect_attempts SET finished_ms = $1, outcome = $2, http_status = $3, \
+             answer = CASE WHEN EXISTS (SELECT 1 FROM sw_effects e WHERE e.catalog_name = $4 \
+             AND e.namespace = 'live' AND e.effect_id = $5 AND e.state = 'erased') THEN NULL ELSE $6 END \
+             WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8 AND attempt = $9",
         );
         for st in settlements {
             let delivered =
@@ -561,6 +566,8 @@ impl Ledger {
                 .bind(now)
                 .bind(&st.outcome)
                 .bind(st.http_status.map(i64::from))
+                .bind(&self.catalog)
+                .bind(&st.effect_id)
                 .bind(answer)
                 .bind(&self.catalog)
                 .bind(&st.effect_id)
@@ -633,10 +640,73 @@ impl Ledger {
         Ok(n)
     }
 
+    /// Erases a data subject from the effects of `job`, in every namespace: each effect
+    /// whose key `names` accepts loses its key and message, and its attempts the
+    /// provider's answers (which may repeat the message). One not yet delivered is never
+    /// sent: it becomes [`state::ERASED`], as does one in flight, whose outcome is then
+    /// not recorded. Its id stays, so the same window seen again (a replay) finds it and
+    /// records nothing new. Returns how many effects were erased.
+    pub async fn erase_keys(&self, job: &str, names: impl Fn(&str) -> bool) -> Result<u64> {
+        let keys: Vec<String> = sqlx::query_scalar(&self.sql(
+            "SELECT DISTINCT effect_key FROM sw_effects WHERE catalog_name = $1 AND job = $2",
+        ))
+        .bind(&self.catalog)
+        .bind(job)
+        .fetch_all(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("read the effects' keys", e))?;
+        let keys: Vec<String> = keys.into_iter().filter(|k| names(k)).collect();
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self
+            .lake
+            .control_pool()
+            .begin()
+            .await
+            .map_err(|e| EffectError::sql("begin an erasure", e))?;
+        let answers = self.sql(
+            "UPDATE sw_effect_attempts SET answer = NULL WHERE catalog_name = $1 AND EXISTS \
+             (SELECT 1 FROM sw_effects e WHERE e.catalog_name = sw_effect_attempts.catalog_name \
+             AND e.namespace = sw_effect_attempts.namespace AND e.effect_id = sw_effect_attempts.effect_id \
+             AND e.job = $2 AND e.effect_key = $3)",
+        );
+        let effects = self.sql(
+            "UPDATE sw_effects SET effect_key = '', message = '', last_error = NULL, updated_ms = $1, \
+             state = CASE WHEN state IN ('intended', 'dispatching', 'failed', 'ambiguous') \
+             THEN 'erased' ELSE state END \
+             WHERE catalog_name = $2 AND job = $3 AND effect_key = $4",
+        );
+        let now = now_ms();
+        let mut erased = 0;
+        for key in &keys {
+            sqlx::query(&answers)
+                .bind(&self.catalog)
+                .bind(job)
+                .bind(key)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("erase the attempts' answers", e))?;
+            erased += sqlx::query(&effects)
+                .bind(now)
+                .bind(&self.catalog)
+                .bind(job)
+                .bind(key)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| EffectError::sql("erase effects", e))?
+                .rows_affected();
+        }
+        tx.commit()
+            .await
+            .map_err(|e| EffectError::sql("commit an erasure", e))?;
+        Ok(erased)
+    }
+
     /// Deletes the settled effects of `job` in `namespace` (and their attempts) created
     /// before `older_than_ms`. Returns how many effects went.
     pub async fn expire(&self, job: &str, namespace: &str, older_than_ms: i64) -> Result<u64> {
-        let settled = "('delivered', 'reconciled', 'failed', 'would_send')";
+        let settled = "('delivered', 'reconciled', 'failed', 'would_send', 'erased')";
         // Attempts are matched by namespace too: a backfill namespace's effect ids are the
         // live ones (the same windows), and the live attempts stay.
         sqlx::query(&self.sql(&format!(
@@ -666,5 +736,96 @@ impl Ledger {
         .map_err(|e| EffectError::sql("expire effects", e))?
         .rows_affected();
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use signalweave_lake::LakeConfig;
+
+    fn intent(id: &str, key: &str) -> Intent {
+        Intent {
+            effect_id: id.into(),
+            rule: "big_spender".into(),
+            key: key.into(),
+            window_start_us: 0,
+            value: 1,
+            message: format!("Customer {key}: orders of 1"),
+            trigger_event_us: 0,
+            source_snapshot: 1,
+            cooldown_us: 0,
+        }
+    }
+
+    /// An effect erased while it is in flight stays erased: its outcome, when it comes,
+    /// brings back neither a state that would send it again nor the provider's answer.
+    /// One not yet sent is never claimed; the other customers' effects go on.
+    #[tokio::test]
+    async fn an_effect_erased_in_flight_stays_erased() {
+        let dir = tempfile::tempdir().unwrap();
+        let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+        let ledger = Ledger::open(lake.clone()).await.unwrap();
+        let intents = [
+            intent("e1", "t|c-1"),
+            intent("e2", "t|c-2"),
+            intent("e3", "t|c-1"),
+        ];
+        ledger
+            .commit_intents("n", "live", None, 1, &intents[..2], false)
+            .await
+            .unwrap();
+        let claimed = ledger.claim("n", 10).await.unwrap();
+        assert_eq!(claimed.len(), 2);
+        // A later effect of the subject, not yet sent.
+        ledger
+            .commit_intents("n", "live", Some(1), 2, &intents[2..], false)
+            .await
+            .unwrap();
+        let erased = ledger.erase_keys("n", |k| k == "t|c-1").await.unwrap();
+        assert_eq!(erased, 2);
+        let settle = claimed
+            .iter()
+            .map(|(e, attempt)| Settlement {
+                effect_id: e.effect_id.clone(),
+                attempt: *attempt,
+                state: state::INTENDED,
+                outcome: "retry".into(),
+                http_status: Some(503),
+                answer: Some(format!("busy: {}", e.message)),
+                retry_at_ms: Some(0),
+            })
+            .collect::<Vec<_>>();
+        ledger.settle_all(&settle).await.unwrap();
+        let effects = ledger.effects("n", "live", None).await.unwrap();
+        let by_id = |id: &str| effects.iter().find(|e| e.effect_id == id).unwrap();
+        for id in ["e1", "e3"] {
+            let e = by_id(id);
+            assert_eq!(
+                (e.state.as_str(), e.key.as_str(), e.message.as_str()),
+                (state::ERASED, "", ""),
+                "{id}"
+            );
+        }
+        assert_eq!(by_id("e2").state, state::INTENDED);
+        // Only the other customer's effect is claimed again.
+        let again = ledger.claim("n", 10).await.unwrap();
+        assert_eq!(
+            again
+                .iter()
+                .map(|(e, _)| e.effect_id.as_str())
+                .collect::<Vec<_>>(),
+            ["e2"]
+        );
+        let answers: Vec<(String, Option<String>)> = sqlx::query_as(
+            "SELECT effect_id, answer FROM sw_effect_attempts WHERE attempt = 1 ORDER BY effect_id",
+        )
+        .fetch_all(lake.control_pool())
+        .await
+        .unwrap();
+        assert_eq!(answers[0], ("e1".to_string(), None));
+        assert!(answers[1].1.as_deref().unwrap().contains("c-2"));
     }
 }

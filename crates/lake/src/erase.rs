@@ -6,11 +6,16 @@
 //! current snapshot. `sw_erasures` records what was erased, when, why and by whom, with
 //! counts and a SHA-256 of the subject, never the erased values. The report names the
 //! event-time range and keys whose derived outputs must be recomputed by a backfill.
+//!
+//! Outputs whose key names the customer (`customer_features`, keyed by tenant and
+//! customer id, in every namespace) lose every version of the customer's windows the
+//! same way. Which output rows those are comes from the jobs' specs, as [`KeyLayout`]s:
+//! rows of a job version without one are left and reported, never guessed at.
 
 use std::collections::{BTreeSet, HashSet};
 
 use arrow::array::{Array, AsArray, BooleanArray};
-use arrow::datatypes::TimestampMicrosecondType;
+use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
 use arrow_array::RecordBatch;
 use iceberg::spec::{DataFile, Operation};
 use serde::Serialize;
@@ -23,8 +28,39 @@ use crate::lake::{CommitIdentity, Lake, on_table_schema, whole_file_task};
 use crate::layout::LakeTable;
 use crate::maintain::{MaintenancePolicy, Retention};
 
+/// How the output key of one job version names a customer: its key columns' positions
+/// (see [`signalweave_model::split_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyLayout {
+    /// Job name, as output rows carry it.
+    pub job: String,
+    /// Job version, as output rows carry it.
+    pub job_version: i64,
+    /// The job's output table in its live namespace (a backfill's is
+    /// `<table>__bf_<namespace>`).
+    pub output_table: String,
+    /// How many key columns.
+    pub parts: usize,
+    /// Which key column is the customer id; None: the key names no customer.
+    pub customer: Option<usize>,
+    /// Which key column is the tenant, if any.
+    pub tenant: Option<usize>,
+    /// The job's allowed lateness (µs): how long after its end a window still changes.
+    pub lateness_us: i64,
+}
+
+impl KeyLayout {
+    /// Whether `table` is this job's output table, in any namespace.
+    fn writes(&self, table: &str) -> bool {
+        table == self.output_table
+            || table
+                .strip_prefix(self.output_table.as_str())
+                .is_some_and(|rest| rest.starts_with("__bf_"))
+    }
+}
+
 /// Who is erased, why, and on whose request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ErasureRequest {
     /// The data subject: every event with this `customer_id`.
     pub customer_id: String,
@@ -35,6 +71,26 @@ pub struct ErasureRequest {
     pub reason: String,
     /// Who asked; recorded.
     pub requested_by: String,
+    /// The output key of every job version known (empty: outputs are left as they are).
+    pub outputs: Vec<KeyLayout>,
+}
+
+impl ErasureRequest {
+    /// Whether `key`, an output key of `layout`'s job version, is the subject's. A key
+    /// without the tenant (a job version keyed by customer id alone) is the subject's
+    /// whatever the tenant: it mixes the tenants' customers of that id, this one included.
+    pub fn names_subject(&self, layout: &KeyLayout, key: &str) -> bool {
+        let Some(customer) = layout.customer else {
+            return false;
+        };
+        let parts = signalweave_model::split_key(key);
+        parts.len() == layout.parts
+            && parts[customer] == self.customer_id
+            && match (layout.tenant, &self.tenant) {
+                (Some(t), Some(want)) => parts[t] == *want,
+                _ => true,
+            }
+    }
 }
 
 /// What one table lost.
@@ -67,6 +123,15 @@ pub struct ErasureReport {
     pub markets: BTreeSet<String>,
     /// Event types of the erased events.
     pub event_types: BTreeSet<String>,
+    /// Output tables not examined: no job spec given writes them.
+    pub outputs_unknown: BTreeSet<String>,
+    /// Job versions whose rows were left in an examined output table: no spec given
+    /// tells their key (`job vN in table`).
+    pub versions_unknown: BTreeSet<String>,
+    /// Until when (event time, µs) the subject's erased windows may still change: a
+    /// running job that held their state writes further versions of them until its
+    /// watermark passes this, so erase again once it has.
+    pub outputs_open_until_us: Option<i64>,
 }
 
 fn column<'a>(b: &'a RecordBatch, name: &str) -> Result<&'a arrow::array::StringArray> {
@@ -133,7 +198,8 @@ impl Lake {
         // The subject may still be in the files of older snapshots only: an erasure killed
         // after its rewrite and before its expiry left them. Their rows name identities
         // too, and their presence makes the expiry below necessary.
-        let mut in_history = false;
+        // Tables whose older snapshots hold the subject, the current one aside.
+        let mut in_history: HashSet<String> = HashSet::new();
         for b in self
             .history_rows(LakeTable::Events, |b| {
                 let c = column(b, "customer_id")?;
@@ -148,7 +214,14 @@ impl Lake {
             })
             .await?
         {
-            in_history = true;
+            in_history.extend(
+                [
+                    LakeTable::Events,
+                    LakeTable::LateEvents,
+                    LakeTable::Rejections,
+                ]
+                .map(|t| t.name().to_string()),
+            );
             let ids = column(&b, "event_id")?;
             let tenants = column(&b, "tenant")?;
             for i in 0..b.num_rows() {
@@ -174,6 +247,8 @@ impl Lake {
                 .await?;
             report.tables.push(t);
         }
+        self.erase_outputs(request, &erasure_id, &mut report, &mut in_history)
+            .await?;
         if std::env::var("SIGNALWEAVE_ERASE_FAULT").as_deref() == Ok("before_expiry") {
             eprintln!("fault drill: stopping after the rewrite, before the expiry");
             std::process::abort();
@@ -181,7 +256,7 @@ impl Lake {
         // Expire every snapshot before the erasure, whatever holds it, and delete the
         // files only they referenced: the old files with the subject's values.
         for t in &report.tables {
-            if t.snapshot_id.is_none() && !in_history {
+            if t.snapshot_id.is_none() && !in_history.contains(&t.table) {
                 continue;
             }
             let table = LakeTable::from_name(&t.table)?;
@@ -200,6 +275,88 @@ impl Lake {
         }
         self.record_erasure(request, &report).await?;
         Ok(report)
+    }
+
+    /// Removes every version of the subject's windows from the output tables whose key
+    /// names a customer, in every namespace; see the module docs.
+    async fn erase_outputs(
+        &self,
+        request: &ErasureRequest,
+        erasure_id: &str,
+        report: &mut ErasureReport,
+        in_history: &mut HashSet<String>,
+    ) -> Result<()> {
+        for table in self.register_output_tables().await? {
+            let name = table.name();
+            let layouts: Vec<&KeyLayout> =
+                request.outputs.iter().filter(|l| l.writes(name)).collect();
+            if layouts.is_empty() {
+                report.outputs_unknown.insert(name.to_string());
+                continue;
+            }
+            if layouts.iter().all(|l| l.customer.is_none()) {
+                continue;
+            }
+            let unknown = std::sync::Mutex::new(BTreeSet::new());
+            // Per row: the layout of its job version, when it names the subject.
+            let theirs = |b: &RecordBatch| -> Result<Vec<Option<&KeyLayout>>> {
+                let (jobs, keys) = (column(b, "job")?, column(b, "key")?);
+                let versions = b
+                    .column_by_name("job_version")
+                    .and_then(|c| c.as_primitive_opt::<Int64Type>())
+                    .ok_or_else(|| {
+                        LakeError::new(ErrorKind::Internal, "column job_version is missing")
+                    })?;
+                Ok((0..b.num_rows())
+                    .map(|i| {
+                        let (job, version) = (jobs.value(i), versions.value(i));
+                        let layout = layouts
+                            .iter()
+                            .find(|l| l.job == job && l.job_version == version);
+                        match layout {
+                            Some(l) => request.names_subject(l, keys.value(i)).then_some(*l),
+                            None => {
+                                if let Ok(mut u) = unknown.lock() {
+                                    u.insert(format!("{job} v{version} in {name}"));
+                                }
+                                None
+                            }
+                        }
+                    })
+                    .collect())
+            };
+            let (t, erased) = self
+                .rewrite_without(table, erasure_id, |b| {
+                    Ok(theirs(b)?.iter().map(|l| Some(l.is_none())).collect())
+                })
+                .await?;
+            for b in &erased {
+                let ends = b
+                    .column_by_name("window_end")
+                    .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>());
+                let rows = theirs(b)?;
+                for (i, layout) in rows.iter().enumerate() {
+                    if let (Some(ends), Some(l)) = (ends, layout) {
+                        let open = ends.value(i).saturating_add(l.lateness_us);
+                        report.outputs_open_until_us =
+                            Some(report.outputs_open_until_us.map_or(open, |o| o.max(open)));
+                    }
+                }
+            }
+            let older = self
+                .history_rows(table, |b| {
+                    Ok(theirs(b)?.iter().map(Option::is_some).collect())
+                })
+                .await?;
+            if !older.is_empty() {
+                in_history.insert(name.to_string());
+            }
+            report
+                .versions_unknown
+                .extend(unknown.into_inner().unwrap_or_default());
+            report.tables.push(t);
+        }
+        Ok(())
     }
 
     /// Rewrites every data file of `table` holding a row `keep` rejects, without those
@@ -419,6 +576,28 @@ impl Lake {
         Ok(out)
     }
 
+    /// Records what `report` now holds of its erasure: the counts of stores outside the
+    /// lake (the effect ledger) are added to it after the lake's erasure is recorded.
+    pub async fn amend_erasure(&self, report: &ErasureReport) -> Result<()> {
+        let counts = serde_json::to_string(&report.tables).unwrap_or_default();
+        let done = sqlx::query(&self.control_sql(
+            "UPDATE sw_erasures SET tables_json = $1 WHERE erasure_id = $2 AND catalog_name = $3",
+        ))
+        .bind(counts)
+        .bind(report.erasure_id.as_str())
+        .bind(self.config().catalog_name.as_str())
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("amend the erasure record", e))?;
+        if done.rows_affected() != 1 {
+            return Err(LakeError::new(
+                ErrorKind::NotFound,
+                format!("no erasure {} is recorded", report.erasure_id),
+            ));
+        }
+        Ok(())
+    }
+
     async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
         // The subject: its customer id, within its tenant when the erasure was scoped.
         let subject = match &request.tenant {
@@ -445,5 +624,51 @@ impl Lake {
             .await
             .map_err(|e| LakeError::sql("record the erasure", e))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(columns: &[&str]) -> KeyLayout {
+        let at = |name: &str| columns.iter().position(|c| *c == name);
+        KeyLayout {
+            job: "customer_features".into(),
+            job_version: 2,
+            output_table: "customer_features".into(),
+            parts: columns.len(),
+            customer: at("customer_id"),
+            tenant: at("tenant"),
+            lateness_us: 0,
+        }
+    }
+
+    #[test]
+    fn a_key_names_the_subject_by_its_layout() {
+        let scoped = ErasureRequest {
+            customer_id: "c|7".into(),
+            tenant: Some("t-0".into()),
+            ..Default::default()
+        };
+        let everywhere = ErasureRequest {
+            tenant: None,
+            ..scoped.clone()
+        };
+        let by_tenant = layout(&["tenant", "customer_id"]);
+        let key = |values: &[&str]| signalweave_model::join_key(values);
+        assert!(scoped.names_subject(&by_tenant, &key(&["t-0", "c|7"])));
+        assert!(!scoped.names_subject(&by_tenant, &key(&["t-1", "c|7"])));
+        assert!(everywhere.names_subject(&by_tenant, &key(&["t-1", "c|7"])));
+        // "c|7" is not the key of customer "c" and "7".
+        assert!(!scoped.names_subject(&by_tenant, "t-0|c|7"));
+        assert!(!scoped.names_subject(&by_tenant, &key(&["t-0", "c"])));
+        // Keyed by customer alone, the key mixes tenants: it is the subject's in any.
+        let alone = layout(&["customer_id"]);
+        assert!(scoped.names_subject(&alone, &key(&["c|7"])));
+        assert!(!scoped.names_subject(&layout(&["market_id"]), &key(&["c|7"])));
+        assert!(by_tenant.writes("customer_features"));
+        assert!(by_tenant.writes("customer_features__bf_fix"));
+        assert!(!by_tenant.writes("customer_features_v2"));
     }
 }

@@ -2153,6 +2153,22 @@ mod tests {
     use super::*;
     use arrow::array::StringArray;
 
+    /// The engine's keys are the model's joined keys: an erasure splits them with
+    /// [`signalweave_model::split_key`].
+    #[test]
+    fn keys_are_joined_as_the_model_joins_them() {
+        let tenants = StringArray::from(vec!["t|1", "t", "", "t\\"]);
+        let customers = StringArray::from(vec!["c", "c|\\x", "", "|"]);
+        let columns = [Strs::Plain(&tenants), Strs::Plain(&customers)];
+        let mut buf = String::new();
+        for row in 0..tenants.len() {
+            join_key(&columns, row, &mut buf);
+            let values = [tenants.value(row), customers.value(row)];
+            assert_eq!(buf, signalweave_model::join_key(&values));
+            assert_eq!(signalweave_model::split_key(&buf), values);
+        }
+    }
+
     /// Checkpoints written when a session's accumulator was a `Vec` restore into the
     /// in-place one: both serialise to the same bytes.
     #[test]

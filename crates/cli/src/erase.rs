@@ -1,0 +1,162 @@
+//! `lake erase`: a data subject erased from the lake's tables, from the outputs whose key
+//! names them, and from the effect ledger.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use signalweave_effects::{Ledger, NotificationSpec};
+use signalweave_lake::{ErasureRequest, KeyLayout, Lake, TableErasure};
+use signalweave_window::JobSpec;
+
+use crate::backfill::{is_notification_spec, spec_files};
+use crate::output::{Format, print_rows};
+
+/// The output key of every job version under `dir` (live specs and older versions), and
+/// the notification jobs there. A spec that does not parse fails the erasure: a job left
+/// out would leave its outputs unexamined.
+pub fn specs(dir: &Path) -> Result<(Vec<KeyLayout>, Vec<NotificationSpec>)> {
+    if !dir.is_dir() {
+        return Err(signalweave_runner::RunnerError::new(
+            signalweave_model::ErrorKind::InvalidInput,
+            format!(
+                "no job specs at {}: an erasure reads them to find the outputs keyed by the \
+                 customer; run it from the repository or pass --jobs-dir",
+                dir.display()
+            ),
+        )
+        .into());
+    }
+    let mut files = Vec::new();
+    spec_files(dir, &mut files)?;
+    files.sort();
+    let (mut layouts, mut notifications) = (Vec::new(), Vec::new());
+    for path in files {
+        if is_notification_spec(&path) {
+            notifications.push(
+                NotificationSpec::from_file(&path)
+                    .with_context(|| format!("reading notification spec {}", path.display()))?,
+            );
+            continue;
+        }
+        let spec = JobSpec::from_file(&path)
+            .with_context(|| format!("reading job spec {}", path.display()))?;
+        let at = |name: &str| spec.key.columns.iter().position(|c| c == name);
+        layouts.push(KeyLayout {
+            job: spec.name.clone(),
+            job_version: i64::from(spec.version),
+            output_table: spec.output.table.clone(),
+            parts: spec.key.columns.len(),
+            customer: at("customer_id"),
+            tenant: at("tenant"),
+            lateness_us: signalweave_window::micros(spec.lateness.allowed),
+        });
+    }
+    Ok((layouts, notifications))
+}
+
+/// Erases `request`'s subject (its `outputs` are filled from `jobs_dir`) and prints what
+/// went.
+pub async fn run(
+    lake: &Lake,
+    mut request: ErasureRequest,
+    jobs_dir: &Path,
+    format: Format,
+) -> Result<()> {
+    let (layouts, notifications) = specs(jobs_dir)?;
+    request.outputs = layouts;
+    let mut report = lake.erase_customer(&request).await?;
+    // The ledger last: an effect is made from an output row, and those are gone now.
+    let mut effects = 0;
+    if !notifications.is_empty() {
+        let ledger = Ledger::open(lake.clone()).await?;
+        for n in &notifications {
+            let sources: Vec<&KeyLayout> = request
+                .outputs
+                .iter()
+                .filter(|l| l.job == n.source.job && l.customer.is_some())
+                .collect();
+            if sources.is_empty() {
+                continue;
+            }
+            // An effect's key is its source output's; the ledger does not say which
+            // version made it, and the versions' keys differ in their number of parts.
+            effects += ledger
+                .erase_keys(&n.name, |key| {
+                    sources.iter().any(|l| request.names_subject(l, key))
+                })
+                .await?;
+        }
+        report.tables.push(TableErasure {
+            table: "sw_effects".into(),
+            rows: effects,
+            ..Default::default()
+        });
+        lake.amend_erasure(&report).await?;
+    }
+    let mut rows: Vec<Vec<String>> = report
+        .tables
+        .iter()
+        .map(|t| {
+            vec![
+                t.table.clone(),
+                t.rows.to_string(),
+                t.files_rewritten.to_string(),
+                t.snapshot_id.map(|s| s.to_string()).unwrap_or_default(),
+            ]
+        })
+        .collect();
+    rows.push(vec![
+        "(old files deleted)".into(),
+        String::new(),
+        report.data_files_deleted.to_string(),
+        format!("{} snapshots expired", report.snapshots_expired),
+    ]);
+    print_rows(format, &["table", "rows erased", "files", "snapshot"], rows)?;
+    let time = signalweave_model::format_rfc3339_micros;
+    let list =
+        |s: &std::collections::BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
+    if let Some((lo, hi)) = report.event_time_range {
+        eprintln!(
+            "erasure {} recorded. Recompute derived outputs with a backfill over {} .. {} (markets: {}; event types: {}).",
+            report.erasure_id,
+            time(lo),
+            time(hi),
+            list(&report.markets),
+            list(&report.event_types),
+        );
+    } else if report.snapshots_expired > 0 {
+        eprintln!(
+            "erasure {} recorded; the current snapshot held no events of this customer, \
+             older snapshots did (an erasure stopped before its expiry): {} expired.",
+            report.erasure_id, report.snapshots_expired
+        );
+    } else {
+        eprintln!(
+            "erasure {} recorded; no events of this customer were found.",
+            report.erasure_id
+        );
+    }
+    if let Some(until) = report.outputs_open_until_us {
+        eprintln!(
+            "The customer's windows accept late events until {}: a job running now may still \
+             write versions of them that count the erased events. Run this erasure again \
+             once its watermark has passed that time.",
+            time(until)
+        );
+    }
+    if !report.outputs_unknown.is_empty() {
+        eprintln!(
+            "Not examined, as no job spec under {} writes them: {}.",
+            jobs_dir.display(),
+            list(&report.outputs_unknown)
+        );
+    }
+    if !report.versions_unknown.is_empty() {
+        eprintln!(
+            "Rows left, as no job spec under {} gives their key: {}.",
+            jobs_dir.display(),
+            list(&report.versions_unknown)
+        );
+    }
+    Ok(())
+}
