@@ -813,7 +813,6 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
     let spec = shipped_spec();
     let sink = Sink::start(&[]);
     ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
-    sink.stop();
     ok(sw(&lake)
         .args(["backfill", "start", "--job", "customer_features"])
         .args([
@@ -829,6 +828,18 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
         .args(["effects", "run", "--until-settled", "--namespace", "replay"])
         .output()
         .unwrap());
+
+    // More outputs the live notifier has not read: it is behind at the erasure. (The
+    // events of the last 1,200 s are within the live job's allowed lateness.)
+    let more = dir.path().join("more.ndjson");
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--seed", "2", "--events", "4000"])
+        .args(["--events-per-sec", "1", "--out"])
+        .arg(&more)
+        .output()
+        .unwrap());
+    ok(sw(&lake).arg("load").arg(&more).output().unwrap());
+    run_until_caught_up(&lake);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -978,8 +989,77 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
         .output()
         .unwrap());
     assert_eq!(plain("SELECT COUNT(*) FROM sw_effects"), all_effects);
+    // The live notifier was behind: its position expired with the snapshots before the
+    // erasure. It stops, saying how to go on, and goes on when told to.
+    let stuck = run_effects(&lake, &spec, &sink.url).output().unwrap();
+    assert!(!stuck.status.success(), "{stuck:?}");
+    assert!(
+        String::from_utf8_lossy(&stuck.stderr).contains("--skip-expired"),
+        "{stuck:?}"
+    );
+    let skipped = ok(run_effects(&lake, &spec, &sink.url)
+        .arg("--skip-expired")
+        .output()
+        .unwrap());
+    let _ = skipped;
+    ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
+    sink.stop();
+    assert_eq!(plain("SELECT COUNT(*) FROM sw_effects"), all_effects);
     let again = erase();
     for t in tables.iter().chain(&["sw_effects"]) {
         assert_eq!(again[*t], 0, "{t}: {again:?}");
     }
+}
+
+/// A serving view drops an erased customer's windows as soon as the erasure's rewrite
+/// commits, before its expiry: the view reads the table again when rows were removed,
+/// where it used to skip the rewrite and keep serving them.
+#[test]
+fn a_serving_view_lets_an_erased_customer_go_at_the_rewrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    let key = support::cli::sql(
+        &lake,
+        "select key from signalweave.customer_features order by key limit 1",
+    )[0]["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(&key)).unwrap();
+    let port = support::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let serving = Proc::spawn({
+        let mut c = sw(&lake);
+        c.args(["run", "--job", "jobs/customer_features.toml"])
+            .args(["--serve", &format!("127.0.0.1:{port}")]);
+        c
+    });
+    support::cli::wait_until("serving", Duration::from_secs(30), || {
+        get(&format!("{base}/healthz")).is_some()
+    });
+    let windows = || -> usize {
+        let url = format!(
+            "{base}/v1/jobs/customer_features/aggregates?key={}",
+            key.replace('|', "%7C")
+        );
+        let answer: Value = serde_json::from_str(&get(&url).unwrap()).unwrap();
+        answer["windows"].as_array().unwrap().len()
+    };
+    assert!(windows() > 0, "{key} is served");
+    let stopped = sw(&lake)
+        .args([
+            "lake",
+            "erase",
+            "--customer-id",
+            &customer,
+            "--tenant",
+            &tenant,
+        ])
+        .args(["--reason", "ticket-12"])
+        .env("SIGNALWEAVE_ERASE_FAULT", "before_expiry")
+        .output()
+        .unwrap();
+    assert!(!stopped.status.success(), "{stopped:?}");
+    assert_eq!(windows(), 0, "{key} is served after its erasure's rewrite");
+    serving.terminate();
 }

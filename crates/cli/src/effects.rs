@@ -77,6 +77,12 @@ pub struct RunArgs {
     /// position.
     #[arg(long, value_enum, default_value_t = StartAt::Earliest)]
     pub start_at: StartAt,
+    /// When the notifier's position has expired (an erasure expires every snapshot
+    /// before it, held or not), go on from the output table's current snapshot: the
+    /// outputs committed between are not notified. Without it such a notifier stops,
+    /// saying so.
+    #[arg(long)]
+    pub skip_expired: bool,
 }
 
 /// See [`RunArgs::start_at`].
@@ -208,6 +214,7 @@ pub async fn run_beside_up(
         settle_timeout: Duration::from_secs(30),
         lease_wait: Duration::from_secs(10),
         start_at: StartAt::Earliest,
+        skip_expired: false,
     };
     run_job(lake, ledger, &args, stop).await
 }
@@ -274,6 +281,14 @@ async fn run_leased(
         &a.target.namespace,
     )
     .await?;
+    if a.skip_expired
+        && let Some((from, to)) = notifier.skip_expired().await?
+    {
+        eprintln!(
+            "effects: the position {from} had expired; going on from snapshot {to}: outputs \
+             committed between are not notified"
+        );
+    }
     if a.start_at == StartAt::Latest && notifier.start_at_latest().await? {
         eprintln!(
             "effects: first start at the latest output snapshot: outputs already there are not \

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use signalweave_effects::{Ledger, NotificationSpec};
-use signalweave_lake::{ErasureRequest, KeyLayout, Lake, TableErasure};
+use signalweave_lake::{ErasureReport, ErasureRequest, KeyLayout, Lake, TableErasure};
 use signalweave_window::JobSpec;
 
 use crate::backfill::{is_notification_spec, spec_files};
@@ -44,11 +44,17 @@ pub fn specs(dir: &Path) -> Result<(Vec<KeyLayout>, Vec<NotificationSpec>)> {
         layouts.push(KeyLayout {
             job: spec.name.clone(),
             job_version: i64::from(spec.version),
-            output_table: spec.output.table.clone(),
+            output_table: spec
+                .output
+                .table
+                .strip_prefix("signalweave.")
+                .unwrap_or(&spec.output.table)
+                .to_string(),
             parts: spec.key.columns.len(),
             customer: at("customer_id"),
             tenant: at("tenant"),
             lateness_us: signalweave_window::micros(spec.lateness.allowed),
+            span_us: spec.window.span_us(),
         });
     }
     Ok((layouts, notifications))
@@ -65,34 +71,60 @@ pub async fn run(
     let (layouts, notifications) = specs(jobs_dir)?;
     request.outputs = layouts;
     let mut report = lake.erase_customer(&request).await?;
-    // The ledger last: an effect is made from an output row, and those are gone now.
+    // The ledger last: an effect is made from an output row, and those are gone now. What
+    // the lake's part found is printed even when the ledger's fails.
+    let ledger = erase_effects(lake, &request, &notifications, &mut report).await;
+    print(&report, jobs_dir, format)?;
+    ledger
+}
+
+/// Erases the subject from the effects of the notification jobs whose source is keyed by
+/// the customer, and records their count with the erasure.
+async fn erase_effects(
+    lake: &Lake,
+    request: &ErasureRequest,
+    notifications: &[NotificationSpec],
+    report: &mut ErasureReport,
+) -> Result<()> {
+    let ledger = Ledger::open(lake.clone()).await?;
     let mut effects = 0;
-    if !notifications.is_empty() {
-        let ledger = Ledger::open(lake.clone()).await?;
-        for n in &notifications {
-            let sources: Vec<&KeyLayout> = request
-                .outputs
-                .iter()
-                .filter(|l| l.job == n.source.job && l.customer.is_some())
-                .collect();
-            if sources.is_empty() {
-                continue;
-            }
-            // An effect's key is its source output's; the ledger does not say which
-            // version made it, and the versions' keys differ in their number of parts.
-            effects += ledger
-                .erase_keys(&n.name, |key| {
-                    sources.iter().any(|l| request.names_subject(l, key))
-                })
-                .await?;
+    for job in ledger.jobs().await? {
+        let Some(n) = notifications.iter().find(|n| n.name == job) else {
+            report
+                .outputs_unknown
+                .insert(format!("the effects of {job} (no notification spec of it)"));
+            continue;
+        };
+        let sources: Vec<&KeyLayout> = request
+            .outputs
+            .iter()
+            .filter(|l| l.job == n.source.job)
+            .collect();
+        if sources.is_empty() {
+            report.outputs_unknown.insert(format!(
+                "the effects of {job} (no spec of its source job {})",
+                n.source.job
+            ));
+            continue;
         }
-        report.tables.push(TableErasure {
-            table: "sw_effects".into(),
-            rows: effects,
-            ..Default::default()
-        });
-        lake.amend_erasure(&report).await?;
+        // An effect's key is its source output's; the ledger does not say which version
+        // made it, and the versions' keys differ in their number of parts.
+        effects += ledger
+            .erase_keys(&job, |key| {
+                sources.iter().any(|l| request.names_subject(l, key))
+            })
+            .await?;
     }
+    report.tables.push(TableErasure {
+        table: "sw_effects".into(),
+        rows: effects,
+        ..Default::default()
+    });
+    lake.amend_erasure(report).await?;
+    Ok(())
+}
+
+fn print(report: &ErasureReport, jobs_dir: &Path, format: Format) -> Result<()> {
     let mut rows: Vec<Vec<String>> = report
         .tables
         .iter()
@@ -139,14 +171,15 @@ pub async fn run(
     if let Some(until) = report.outputs_open_until_us {
         eprintln!(
             "The customer's windows accept late events until {}: a job running now may still \
-             write versions of them that count the erased events. Run this erasure again \
-             once its watermark has passed that time.",
+             write versions of them that count the erased events, and a notifier that read \
+             outputs just before the rewrite may still record an effect of them. Run this \
+             erasure again once the jobs' watermarks have passed that time.",
             time(until)
         );
     }
     if !report.outputs_unknown.is_empty() {
         eprintln!(
-            "Not examined, as no job spec under {} writes them: {}.",
+            "Not examined (job specs read from {}): {}.",
             jobs_dir.display(),
             list(&report.outputs_unknown)
         );

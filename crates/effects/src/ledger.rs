@@ -640,12 +640,26 @@ impl Ledger {
         Ok(n)
     }
 
+    /// The notification jobs the ledger holds effects of.
+    pub async fn jobs(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar(
+            &self.sql("SELECT DISTINCT job FROM sw_effects WHERE catalog_name = $1 ORDER BY job"),
+        )
+        .bind(&self.catalog)
+        .fetch_all(self.lake.control_pool())
+        .await
+        .map_err(|e| EffectError::sql("read the ledger's jobs", e))
+    }
+
     /// Erases a data subject from the effects of `job`, in every namespace: each effect
-    /// whose key `names` accepts loses its key and message, and its attempts the
-    /// provider's answers (which may repeat the message). One not yet delivered is never
-    /// sent: it becomes [`state::ERASED`], as does one in flight, whose outcome is then
-    /// not recorded. Its id stays, so the same window seen again (a replay) finds it and
-    /// records nothing new. Returns how many effects were erased.
+    /// whose key `names` accepts loses its key, message, value and trigger time, the
+    /// provider's reference, and its attempts the provider's answers (any of which may
+    /// repeat the message). One not yet delivered is never sent: it becomes
+    /// [`state::ERASED`], as does one in flight, whose outcome is then not recorded. Its
+    /// id stays, so the same window seen again (a replay) finds it and records nothing
+    /// new; the id is a digest of the key, so who knows the customer id can still find
+    /// that an effect was made for them, and when (its window's start), but not what it
+    /// said. Returns how many effects were erased.
     pub async fn erase_keys(&self, job: &str, names: impl Fn(&str) -> bool) -> Result<u64> {
         let keys: Vec<String> = sqlx::query_scalar(&self.sql(
             "SELECT DISTINCT effect_key FROM sw_effects WHERE catalog_name = $1 AND job = $2",
@@ -665,28 +679,32 @@ impl Ledger {
             .begin()
             .await
             .map_err(|e| EffectError::sql("begin an erasure", e))?;
-        let answers = self.sql(
-            "UPDATE sw_effect_attempts SET answer = NULL WHERE catalog_name = $1 AND EXISTS \
-             (SELECT 1 FROM sw_effects e WHERE e.catalog_name = sw_effect_attempts.catalog_name \
-             AND e.namespace = sw_effect_attempts.namespace AND e.effect_id = sw_effect_attempts.effect_id \
-             AND e.job = $2 AND e.effect_key = $3)",
+        // Effects first, then their attempts: the order `settle_all` locks them in.
+        let ids = self.sql(
+            "SELECT namespace, effect_id FROM sw_effects WHERE catalog_name = $1 AND job = $2 \
+             AND effect_key = $3",
         );
         let effects = self.sql(
-            "UPDATE sw_effects SET effect_key = '', message = '', last_error = NULL, updated_ms = $1, \
+            "UPDATE sw_effects SET effect_key = '', message = '', value = 0, trigger_event_us = 0, \
+             provider_ref = NULL, last_error = NULL, updated_ms = $1, \
              state = CASE WHEN state IN ('intended', 'dispatching', 'failed', 'ambiguous') \
              THEN 'erased' ELSE state END \
              WHERE catalog_name = $2 AND job = $3 AND effect_key = $4",
         );
+        let answers = self.sql(
+            "UPDATE sw_effect_attempts SET answer = NULL WHERE catalog_name = $1 \
+             AND namespace = $2 AND effect_id = $3",
+        );
         let now = now_ms();
         let mut erased = 0;
         for key in &keys {
-            sqlx::query(&answers)
+            let of_key: Vec<(String, String)> = sqlx::query_as(&ids)
                 .bind(&self.catalog)
                 .bind(job)
                 .bind(key)
-                .execute(&mut *tx)
+                .fetch_all(&mut *tx)
                 .await
-                .map_err(|e| EffectError::sql("erase the attempts' answers", e))?;
+                .map_err(|e| EffectError::sql("read the effects of a key", e))?;
             erased += sqlx::query(&effects)
                 .bind(now)
                 .bind(&self.catalog)
@@ -696,6 +714,15 @@ impl Ledger {
                 .await
                 .map_err(|e| EffectError::sql("erase effects", e))?
                 .rows_affected();
+            for (namespace, effect_id) in &of_key {
+                sqlx::query(&answers)
+                    .bind(&self.catalog)
+                    .bind(namespace)
+                    .bind(effect_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| EffectError::sql("erase the attempts' answers", e))?;
+            }
         }
         tx.commit()
             .await
@@ -754,7 +781,7 @@ mod tests {
             window_start_us: 0,
             value: 1,
             message: format!("Customer {key}: orders of 1"),
-            trigger_event_us: 0,
+            trigger_event_us: 5,
             source_snapshot: 1,
             cooldown_us: 0,
         }
@@ -762,50 +789,95 @@ mod tests {
 
     /// An effect erased while it is in flight stays erased: its outcome, when it comes,
     /// brings back neither a state that would send it again nor the provider's answer.
-    /// One not yet sent is never claimed; the other customers' effects go on.
+    /// One not yet sent is never claimed; one delivered stays delivered, without what
+    /// the provider answered; the other customers' effects go on.
+    /// On SQLite, and on PostgreSQL too when `SW_PG_URL` names one (CI starts it).
     #[tokio::test]
     async fn an_effect_erased_in_flight_stays_erased() {
         let dir = tempfile::tempdir().unwrap();
-        let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+        erased_in_flight(LakeConfig::embedded(dir.path())).await;
+        if let Ok(url) = std::env::var("SW_PG_URL") {
+            erased_in_flight(LakeConfig {
+                // A catalog of its own isolates this run's rows in the shared database.
+                catalog_name: format!("t{}_{}", std::process::id(), now_ms()),
+                catalog_url: url,
+                warehouse: signalweave_lake::Warehouse::Local {
+                    path: dir.path().join("pg-warehouse"),
+                },
+            })
+            .await;
+        }
+    }
+
+    async fn erased_in_flight(config: LakeConfig) {
+        let lake = Lake::open(config).await.unwrap();
+        let catalog = lake.config().catalog_name.clone();
         let ledger = Ledger::open(lake.clone()).await.unwrap();
         let intents = [
             intent("e1", "t|c-1"),
             intent("e2", "t|c-2"),
             intent("e3", "t|c-1"),
+            intent("e4", "t|c-1"),
         ];
         ledger
-            .commit_intents("n", "live", None, 1, &intents[..2], false)
+            .commit_intents(
+                "n",
+                "live",
+                None,
+                1,
+                &[intents[0].clone(), intents[1].clone(), intents[3].clone()],
+                false,
+            )
             .await
             .unwrap();
         let claimed = ledger.claim("n", 10).await.unwrap();
-        assert_eq!(claimed.len(), 2);
+        assert_eq!(claimed.len(), 3);
+        let settlement = |id: &str, state: &'static str, answer: &str| {
+            let (e, attempt) = claimed.iter().find(|(e, _)| e.effect_id == id).unwrap();
+            Settlement {
+                effect_id: e.effect_id.clone(),
+                attempt: *attempt,
+                state,
+                outcome: "answered".into(),
+                http_status: Some(200),
+                answer: Some(format!("{answer}: {}", e.message)),
+                retry_at_ms: (state == state::INTENDED).then_some(0),
+            }
+        };
+        ledger
+            .settle_all(&[settlement("e4", state::DELIVERED, "ref")])
+            .await
+            .unwrap();
         // A later effect of the subject, not yet sent.
         ledger
-            .commit_intents("n", "live", Some(1), 2, &intents[2..], false)
+            .commit_intents("n", "live", Some(1), 2, &intents[2..3], false)
             .await
             .unwrap();
         let erased = ledger.erase_keys("n", |k| k == "t|c-1").await.unwrap();
-        assert_eq!(erased, 2);
-        let settle = claimed
-            .iter()
-            .map(|(e, attempt)| Settlement {
-                effect_id: e.effect_id.clone(),
-                attempt: *attempt,
-                state: state::INTENDED,
-                outcome: "retry".into(),
-                http_status: Some(503),
-                answer: Some(format!("busy: {}", e.message)),
-                retry_at_ms: Some(0),
-            })
-            .collect::<Vec<_>>();
-        ledger.settle_all(&settle).await.unwrap();
+        assert_eq!(erased, 3);
+        ledger
+            .settle_all(&[
+                settlement("e1", state::INTENDED, "busy"),
+                settlement("e2", state::INTENDED, "busy"),
+            ])
+            .await
+            .unwrap();
         let effects = ledger.effects("n", "live", None).await.unwrap();
         let by_id = |id: &str| effects.iter().find(|e| e.effect_id == id).unwrap();
-        for id in ["e1", "e3"] {
+        for (id, state) in [
+            ("e1", state::ERASED),
+            ("e3", state::ERASED),
+            ("e4", state::DELIVERED),
+        ] {
             let e = by_id(id);
             assert_eq!(
-                (e.state.as_str(), e.key.as_str(), e.message.as_str()),
-                (state::ERASED, "", ""),
+                (
+                    e.state.as_str(),
+                    e.key.as_str(),
+                    e.message.as_str(),
+                    e.provider_ref.as_deref()
+                ),
+                (state, "", "", None),
                 "{id}"
             );
         }
@@ -819,13 +891,25 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["e2"]
         );
-        let answers: Vec<(String, Option<String>)> = sqlx::query_as(
-            "SELECT effect_id, answer FROM sw_effect_attempts WHERE attempt = 1 ORDER BY effect_id",
-        )
+        let answers: Vec<(String, Option<String>)> = sqlx::query_as(&lake.control_sql(
+            "SELECT effect_id, answer FROM sw_effect_attempts WHERE attempt = 1 \
+             AND catalog_name = $1 ORDER BY effect_id",
+        ))
+        .bind(&catalog)
         .fetch_all(lake.control_pool())
         .await
         .unwrap();
         assert_eq!(answers[0], ("e1".to_string(), None));
         assert!(answers[1].1.as_deref().unwrap().contains("c-2"));
+        assert_eq!(answers[2], ("e4".to_string(), None));
+        let values: Vec<(i64, i64)> = sqlx::query_as(&lake.control_sql(
+            "SELECT value, trigger_event_us FROM sw_effects \
+             WHERE effect_id IN ('e1', 'e3', 'e4') AND catalog_name = $1",
+        ))
+        .bind(&catalog)
+        .fetch_all(lake.control_pool())
+        .await
+        .unwrap();
+        assert!(values.iter().all(|v| *v == (0, 0)), "{values:?}");
     }
 }

@@ -198,6 +198,56 @@ impl Notifier {
         Ok(true)
     }
 
+    /// When the position has expired (see [`Notifier::step`]), moves it to the output
+    /// table's current snapshot without recording any intent: the outputs committed
+    /// between are not notified. Returns the expired position and the new one; None when
+    /// the position stands.
+    pub async fn skip_expired(&self) -> Result<Option<(i64, i64)>> {
+        let Some(from) = self
+            .ledger
+            .position(&self.spec.name, &self.namespace)
+            .await?
+        else {
+            return Ok(None);
+        };
+        match self
+            .lake
+            .plan_appended_bounded(self.table, Some(from), 1)
+            .await
+        {
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
+            Ok(_) => return Ok(None),
+        }
+        let Some(latest) = self
+            .lake
+            .snapshots(self.table)
+            .await?
+            .last()
+            .map(|s| s.snapshot_id)
+        else {
+            return Ok(None);
+        };
+        self.ledger
+            .commit_intents(
+                &self.spec.name,
+                &self.namespace,
+                Some(from),
+                latest,
+                &[],
+                self.dry(),
+            )
+            .await?;
+        self.lake
+            .hold_snapshot(
+                self.table,
+                &format!("effects:{}:{}", self.spec.name, self.namespace),
+                latest,
+            )
+            .await?;
+        Ok(Some((from, latest)))
+    }
+
     /// Reads the output snapshots after the position (at most `max_snapshots`) and records
     /// their intents with the new position. Returns what it did (nothing when caught up).
     pub async fn step(&self, max_snapshots: usize) -> Result<NotifyStep> {
@@ -205,10 +255,28 @@ impl Notifier {
             .ledger
             .position(&self.spec.name, &self.namespace)
             .await?;
-        let plan = self
+        let plan = match self
             .lake
             .plan_appended_bounded(self.table, from, max_snapshots)
-            .await?;
+            .await
+        {
+            Ok(plan) => plan,
+            Err(e) if e.kind() == ErrorKind::NotFound && from.is_some() => {
+                return Err(EffectError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "{} ({}): its position on {} has expired ({e}); an erasure expires \
+                         every snapshot before it, held or not. The outputs committed since \
+                         can no longer be told from those before: run with --skip-expired to \
+                         go on from the current snapshot without notifying them",
+                        self.spec.name,
+                        self.namespace,
+                        self.table.name()
+                    ),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let Some(upto) = plan.upto else {
             return Ok(NotifyStep::default());
         };

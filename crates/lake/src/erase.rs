@@ -36,8 +36,8 @@ pub struct KeyLayout {
     pub job: String,
     /// Job version, as output rows carry it.
     pub job_version: i64,
-    /// The job's output table in its live namespace (a backfill's is
-    /// `<table>__bf_<namespace>`).
+    /// The job's output table in its live namespace, without `signalweave.` (another
+    /// namespace's is `<table>__<namespace>`, a backfill's `<table>__bf_<namespace>`).
     pub output_table: String,
     /// How many key columns.
     pub parts: usize,
@@ -47,15 +47,19 @@ pub struct KeyLayout {
     pub tenant: Option<usize>,
     /// The job's allowed lateness (µs): how long after its end a window still changes.
     pub lateness_us: i64,
+    /// The longest a window of the job spans (µs; a session's gap): an event's windows
+    /// end by its time plus this.
+    pub span_us: i64,
 }
 
 impl KeyLayout {
-    /// Whether `table` is this job's output table, in any namespace.
+    /// Whether `table` may be this job's output table, in any namespace. (Another job's
+    /// table may be named so too: rows are told apart by their job and version.)
     fn writes(&self, table: &str) -> bool {
         table == self.output_table
             || table
                 .strip_prefix(self.output_table.as_str())
-                .is_some_and(|rest| rest.starts_with("__bf_"))
+                .is_some_and(|rest| rest.starts_with("__"))
     }
 }
 
@@ -123,7 +127,9 @@ pub struct ErasureReport {
     pub markets: BTreeSet<String>,
     /// Event types of the erased events.
     pub event_types: BTreeSet<String>,
-    /// Output tables not examined: no job spec given writes them.
+    /// What was not examined, and why: an output table no job spec given writes (or one
+    /// this build cannot read); the caller adds stores of its own (the effect ledger's
+    /// jobs without a spec).
     pub outputs_unknown: BTreeSet<String>,
     /// Job versions whose rows were left in an examined output table: no spec given
     /// tells their key (`job vN in table`).
@@ -229,18 +235,37 @@ impl Lake {
             }
         }
         report.tables.push(events);
+        // A late row names its event, and its window's key: a job that read the subject's
+        // events before the rewrite may commit their late rows after it, when the events
+        // that would name them are gone.
+        let keyed: Vec<&KeyLayout> = request
+            .outputs
+            .iter()
+            .filter(|l| l.customer.is_some())
+            .collect();
         for table in [LakeTable::LateEvents, LakeTable::Rejections] {
             let ids = &identities;
             let (t, _) = self
                 .rewrite_without(table, &erasure_id, |b| {
                     let e = column(b, "event_id")?;
                     let t = column(b, "tenant")?;
+                    let keys = match table {
+                        LakeTable::LateEvents => Some((column(b, "job")?, column(b, "key")?)),
+                        _ => None,
+                    };
                     Ok((0..b.num_rows())
                         .map(|i| {
-                            let hit = e.is_valid(i)
+                            let named = e.is_valid(i)
                                 && t.is_valid(i)
                                 && ids.contains(&(t.value(i).to_string(), e.value(i).to_string()));
-                            Some(!hit)
+                            let keyed_by = keys.is_some_and(|(jobs, keys)| {
+                                keys.is_valid(i)
+                                    && keyed.iter().any(|l| {
+                                        l.job == jobs.value(i)
+                                            && request.names_subject(l, keys.value(i))
+                                    })
+                            });
+                            Some(!(named || keyed_by))
                         })
                         .collect())
                 })
@@ -249,6 +274,17 @@ impl Lake {
         }
         self.erase_outputs(request, &erasure_id, &mut report, &mut in_history)
             .await?;
+        // The windows of the erased events, emitted or not yet (a running job fires them
+        // later), change until their end plus the lateness.
+        if let Some((_, newest)) = report.event_time_range {
+            for l in &keyed {
+                let open = newest
+                    .saturating_add(l.span_us)
+                    .saturating_add(l.lateness_us);
+                report.outputs_open_until_us =
+                    Some(report.outputs_open_until_us.map_or(open, |o| o.max(open)));
+            }
+        }
         if std::env::var("SIGNALWEAVE_ERASE_FAULT").as_deref() == Ok("before_expiry") {
             eprintln!("fault drill: stopping after the rewrite, before the expiry");
             std::process::abort();
@@ -286,7 +322,24 @@ impl Lake {
         report: &mut ErasureReport,
         in_history: &mut HashSet<String>,
     ) -> Result<()> {
-        for table in self.register_output_tables().await? {
+        let tables = self.register_output_tables().await?;
+        let ns = iceberg::NamespaceIdent::new(crate::layout::NAMESPACE.to_string());
+        let all = self
+            .catalog()
+            .list_tables(&ns)
+            .await
+            .map_err(|e| LakeError::iceberg("list tables", e))?;
+        for ident in all {
+            let name = ident.name();
+            if LakeTable::ALL.iter().all(|t| t.name() != name)
+                && tables.iter().all(|t| t.name() != name)
+            {
+                report
+                    .outputs_unknown
+                    .insert(format!("{name} (not an output table this build reads)"));
+            }
+        }
+        for table in tables {
             let name = table.name();
             let layouts: Vec<&KeyLayout> =
                 request.outputs.iter().filter(|l| l.writes(name)).collect();
@@ -641,6 +694,7 @@ mod tests {
             customer: at("customer_id"),
             tenant: at("tenant"),
             lateness_us: 0,
+            span_us: 0,
         }
     }
 
@@ -669,6 +723,7 @@ mod tests {
         assert!(!scoped.names_subject(&layout(&["market_id"]), &key(&["c|7"])));
         assert!(by_tenant.writes("customer_features"));
         assert!(by_tenant.writes("customer_features__bf_fix"));
+        assert!(by_tenant.writes("customer_features__eu"));
         assert!(!by_tenant.writes("customer_features_v2"));
     }
 }

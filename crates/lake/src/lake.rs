@@ -192,6 +192,10 @@ pub struct IncrementalPlan {
     pub tasks: Vec<FileScanTask>,
     /// The snapshot that appended each of `tasks` (a whole-table read: the snapshot read).
     pub task_snapshots: Vec<i64>,
+    /// Whether a snapshot in (after, upto] removed rows (an erasure's `overwrite` or
+    /// `delete`; compaction's `replace` removes none): a reader that keeps rows it read
+    /// before must read the table again to let them go.
+    pub removed_rows: bool,
 }
 
 impl IncrementalPlan {
@@ -392,11 +396,28 @@ impl Lake {
             "CREATE TABLE IF NOT EXISTS sw_erasures (erasure_id VARCHAR(255) PRIMARY KEY, \
              catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \
              reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
-             erased_ms BIGINT NOT NULL, tables_json VARCHAR(4000) NOT NULL)",
+             erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL)",
         )
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
+        if !self.config.is_sqlite() {
+            // Made before, it held 4,000 characters: an erasure now counts a row per output
+            // table of every namespace. (SQLite does not limit a VARCHAR.)
+            let narrow: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = current_schema() \
+                 AND table_name = 'sw_erasures' AND column_name = 'tables_json' AND data_type <> 'text'",
+            )
+            .fetch_one(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("read sw_erasures' columns", e))?;
+            if narrow > 0 {
+                sqlx::query("ALTER TABLE sw_erasures ALTER COLUMN tables_json TYPE TEXT")
+                    .execute(&self.control)
+                    .await
+                    .map_err(|e| LakeError::sql("widen sw_erasures.tables_json", e))?;
+            }
+        }
         let ns = NamespaceIdent::new(NAMESPACE.to_string());
         let exists = self
             .catalog
@@ -1241,29 +1262,42 @@ impl Lake {
                 commit_ms: Vec::new(),
                 tasks: Vec::new(),
                 task_snapshots: Vec::new(),
+                removed_rows: false,
             });
         }
         let mut chain = snapshots_after(metadata, table, after)?;
+        let removes_rows = |s: &iceberg::spec::SnapshotRef| {
+            matches!(
+                s.summary().operation,
+                Operation::Overwrite | Operation::Delete
+            )
+        };
+        // The newest snapshot that removed rows: the files appended before it may hold
+        // rows it removed (an erasure's), so a read from the start begins no earlier.
+        let last_removal = chain.iter().rposition(removes_rows);
         // From the start of a table whose first snapshot is retained, the appends are read
         // one by one like any other position's.
         let from_root = after.is_none()
+            && last_removal.is_none()
             && chain
                 .first()
                 .is_some_and(|s| s.parent_snapshot_id().is_none());
         if after.is_some() || from_root {
             chain.truncate(max_snapshots.max(1));
         } else {
-            // Earlier snapshots expired: the first step reads every live file of one
-            // snapshot (including files added by expired snapshots): the oldest retained
-            // one for a bounded read, the current one otherwise.
+            // Earlier snapshots expired (or removed rows): the first step reads every live
+            // file of one snapshot (including files added by expired snapshots): the
+            // oldest retained one since the last removal for a bounded read, the current
+            // one otherwise.
             let target = if max_snapshots == usize::MAX {
                 chain.len().saturating_sub(1)
             } else {
-                0
+                last_removal.unwrap_or(0)
             };
             chain = chain.split_off(target);
             chain.truncate(1);
         }
+        let removed_rows = after.is_some() && chain.iter().any(removes_rows);
         let snapshots: Vec<i64> = chain.iter().map(|s| s.snapshot_id()).collect();
         let commit_ms: Vec<i64> = chain.iter().map(|s| s.timestamp_ms()).collect();
         if after.is_none() && !from_root {
@@ -1278,6 +1312,7 @@ impl Lake {
                 commit_ms,
                 task_snapshots: vec![read; plan.tasks.len()],
                 tasks: plan.tasks,
+                removed_rows,
             });
         }
         let schema = metadata.current_schema().clone();
@@ -1336,6 +1371,7 @@ impl Lake {
             commit_ms,
             tasks,
             task_snapshots,
+            removed_rows,
         })
     }
 

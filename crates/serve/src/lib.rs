@@ -373,6 +373,12 @@ impl Serving {
         view: &mut View,
     ) -> Result<(), ApiError> {
         let plan = match self.lake.plan_appended_since(table, view.position).await {
+            // Rows were removed since (an erasure): the view lets them go by being
+            // rebuilt from the current snapshot.
+            Ok(p) if p.removed_rows => {
+                *view = View::default();
+                self.lake.plan_appended_since(table, None).await?
+            }
             Ok(p) => p,
             Err(e) if e.kind() == ErrorKind::NotFound && view.position.is_some() => {
                 // The view's position expired: rebuild from the current snapshot.
