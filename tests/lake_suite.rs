@@ -900,6 +900,26 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
         lake.append(LakeTable::Rejections, &[rej], &CommitIdentity::new("r", 0))
             .await
             .unwrap();
+        // Late rows of a job keyed by customer: one of the subject's window, of an event
+        // the events table does not hold (a job committed it after the events' rewrite),
+        // and one of another customer's.
+        let late = [
+            late_row(
+                "customer_features",
+                theirs[0].tenant.as_str(),
+                "gone-1",
+                &subject,
+            ),
+            late_row(
+                "customer_features",
+                theirs[0].tenant.as_str(),
+                "gone-2",
+                "someone-else",
+            ),
+        ];
+        lake.append(LakeTable::LateEvents, &late, &CommitIdentity::new("l", 0))
+            .await
+            .unwrap();
         let old_files = lake.current_data_files(LakeTable::Events).await.unwrap();
         // A reader caught up before the erasure, and one behind.
         let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
@@ -910,7 +930,16 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
                 tenant: None,
                 reason: "ticket-7".into(),
                 requested_by: "test".into(),
-                outputs: Vec::new(),
+                outputs: vec![signalweave_lake::KeyLayout {
+                    job: "customer_features".into(),
+                    job_version: 2,
+                    output_table: "customer_features".into(),
+                    parts: 2,
+                    customer: Some(1),
+                    tenant: Some(0),
+                    lateness_us: 0,
+                    span_us: 0,
+                }],
             })
             .await
             .unwrap();
@@ -919,6 +948,19 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
             theirs.len() as u64,
             "{}: {report:?}",
             b.name
+        );
+        assert_eq!(
+            report.tables[1].rows, 1,
+            "{}: the late row of their window",
+            b.name
+        );
+        assert_eq!(
+            count(
+                &lake,
+                "select count(*) from signalweave.late_events where event_id = 'gone-2'"
+            )
+            .await,
+            1
         );
         assert_eq!(
             report.tables[2].rows, 1,
@@ -1678,4 +1720,32 @@ async fn the_duplicate_index_is_rebuilt_by_ingest_time_without_snapshot_history(
             }
         }
     }
+}
+
+/// A `late_events` row of `job`'s window of (`tenant`, `customer`).
+fn late_row(job: &str, tenant: &str, event_id: &str, customer: &str) -> RecordBatch {
+    use arrow::array::{ArrayRef, Int64Array, StringArray};
+    let schema = signalweave_lake::LATE_EVENTS_SCHEMA.clone();
+    let text = |v: &str| -> ArrayRef { Arc::new(StringArray::from(vec![v.to_string()])) };
+    let columns: Vec<ArrayRef> = schema
+        .fields()
+        .iter()
+        .map(|f| match f.name().as_str() {
+            "job" => text(job),
+            "namespace" => text("live"),
+            "reason" => text("beyond_allowed_lateness"),
+            "tenant" => text(tenant),
+            "event_id" => text(event_id),
+            "event_type" => text("order_placed"),
+            "key" => text(&signalweave_model::join_key(&[tenant, customer])),
+            "currency" => text("EUR"),
+            "amount_minor" => Arc::new(Int64Array::from(vec![100])) as ArrayRef,
+            _ => arrow::compute::cast(
+                &Int64Array::from(vec![1_767_225_600_000_000]),
+                f.data_type(),
+            )
+            .unwrap(),
+        })
+        .collect();
+    RecordBatch::try_new(schema, columns).unwrap()
 }

@@ -75,6 +75,23 @@ pub async fn run(
     // the lake's part found is printed even when the ledger's fails.
     let ledger = erase_effects(lake, &request, &notifications, &mut report).await;
     print(&report, jobs_dir, format)?;
+    // A backfill not finished read (or will read, from the snapshot it took) events of
+    // before the erasure.
+    let unfinished: Vec<String> = signalweave_runner::backfill::BackfillStore::open(lake.clone())
+        .await?
+        .list()
+        .await?
+        .into_iter()
+        .filter(|b| !b.finished())
+        .map(|b| format!("{} ({}, {})", b.job, b.namespace, b.state))
+        .collect();
+    if !unfinished.is_empty() {
+        eprintln!(
+            "Backfills not finished: {}. They may write outputs that count the erased events: \
+             run this erasure again once they are done.",
+            unfinished.join(", ")
+        );
+    }
     ledger
 }
 
