@@ -67,6 +67,37 @@ fn run_until_caught_up(lake: &Path) {
         .unwrap());
 }
 
+/// Lands `events` more events (seed 2, from the same start of event time, `per_sec` a
+/// second), then runs the live job until caught up.
+fn land_more(lake: &Path, dir: &Path, events: u64, per_sec: u64) {
+    let more = dir.join("more.ndjson");
+    ok(sw(lake)
+        .args(["fixtures", "generate", "--seed", "2"])
+        .args(["--events", &events.to_string()])
+        .args(["--events-per-sec", &per_sec.to_string(), "--out"])
+        .arg(&more)
+        .output()
+        .unwrap());
+    ok(sw(lake).arg("load").arg(&more).output().unwrap());
+    run_until_caught_up(lake);
+}
+
+/// `lake erase` of the customer whose output key (tenant, customer id) is `key`.
+fn erase_cmd(lake: &Path, key: &str) -> Command {
+    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(key)).unwrap();
+    let mut c = sw(lake);
+    c.args([
+        "lake",
+        "erase",
+        "--customer-id",
+        &customer,
+        "--tenant",
+        &tenant,
+    ])
+    .args(["--reason", "a ticket"]);
+    c
+}
+
 /// A copy of `lake` (the ledger lives in its catalog database).
 fn copy(lake: &Path, to: &Path) -> PathBuf {
     let status = Command::new("cp")
@@ -262,15 +293,7 @@ fn every_crash_point_ends_with_each_effect_delivered_exactly_once() {
     assert_exactly_once(&sink, expected, "replayed");
     // The notifier's position is held: later outputs land, expiry keeps only the newest
     // snapshot it may, and the notifier resumes from its position.
-    let more = dir.path().join("more.ndjson");
-    ok(sw(&clean)
-        .args(["fixtures", "generate", "--seed", "2", "--events", "30000"])
-        .args(["--events-per-sec", "2", "--out"])
-        .arg(&more)
-        .output()
-        .unwrap());
-    ok(sw(&clean).arg("load").arg(&more).output().unwrap());
-    run_until_caught_up(&clean);
+    land_more(&clean, dir.path(), 30_000, 2);
     ok(sw(&clean)
         .args([
             "lake",
@@ -831,15 +854,7 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
 
     // More outputs the live notifier has not read: it is behind at the erasure. (The
     // events of the last 1,200 s are within the live job's allowed lateness.)
-    let more = dir.path().join("more.ndjson");
-    ok(sw(&lake)
-        .args(["fixtures", "generate", "--seed", "2", "--events", "4000"])
-        .args(["--events-per-sec", "1", "--out"])
-        .arg(&more)
-        .output()
-        .unwrap());
-    ok(sw(&lake).arg("load").arg(&more).output().unwrap());
-    run_until_caught_up(&lake);
+    land_more(&lake, dir.path(), 4_000, 1);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -870,7 +885,7 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
             .fetch_one(&control),
         )
         .unwrap();
-    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(&key)).unwrap();
+    let customer = signalweave_model::split_key(&key).pop().unwrap();
     let effects_of =
         |key: &str| scalar("SELECT COUNT(*) FROM sw_effects WHERE effect_key = ?", key);
     let answered_of = |key: &str| {
@@ -917,16 +932,8 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
     let others_answered = plain(answers) - answered;
 
     let erase = || {
-        let out = ok(sw(&lake)
-            .args([
-                "lake",
-                "erase",
-                "--customer-id",
-                &customer,
-                "--tenant",
-                &tenant,
-            ])
-            .args(["--reason", "ticket-11", "--format", "json"])
+        let out = ok(erase_cmd(&lake, &key)
+            .args(["--format", "json"])
             .output()
             .unwrap());
         let report: Vec<Value> = serde_json::from_str(&out).unwrap();
@@ -1025,7 +1032,6 @@ fn a_serving_view_lets_an_erased_customer_go_at_the_rewrite() {
         .as_str()
         .unwrap()
         .to_string();
-    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(&key)).unwrap();
     let port = support::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let serving = Proc::spawn({
@@ -1046,16 +1052,7 @@ fn a_serving_view_lets_an_erased_customer_go_at_the_rewrite() {
         answer["windows"].as_array().unwrap().len()
     };
     assert!(windows() > 0, "{key} is served");
-    let stopped = sw(&lake)
-        .args([
-            "lake",
-            "erase",
-            "--customer-id",
-            &customer,
-            "--tenant",
-            &tenant,
-        ])
-        .args(["--reason", "ticket-12"])
+    let stopped = erase_cmd(&lake, &key)
         .env("SIGNALWEAVE_ERASE_FAULT", "before_expiry")
         .output()
         .unwrap();

@@ -169,33 +169,7 @@ impl Notifier {
         if from.is_some() {
             return Ok(false);
         }
-        let Some(latest) = self
-            .lake
-            .snapshots(self.table)
-            .await?
-            .last()
-            .map(|s| s.snapshot_id)
-        else {
-            return Ok(false);
-        };
-        self.ledger
-            .commit_intents(
-                &self.spec.name,
-                &self.namespace,
-                None,
-                latest,
-                &[],
-                self.dry(),
-            )
-            .await?;
-        self.lake
-            .hold_snapshot(
-                self.table,
-                &format!("effects:{}:{}", self.spec.name, self.namespace),
-                latest,
-            )
-            .await?;
-        Ok(true)
+        Ok(self.move_to_latest(None).await?.is_some())
     }
 
     /// When the position has expired (see [`Notifier::step`]), moves it to the output
@@ -219,6 +193,13 @@ impl Notifier {
             Err(e) => return Err(e.into()),
             Ok(_) => return Ok(None),
         }
+        Ok(self.move_to_latest(Some(from)).await?.map(|to| (from, to)))
+    }
+
+    /// Moves the position from `from` (compare-and-set) to the output table's current
+    /// snapshot, holding it, without recording any intent. Returns the new position; None
+    /// when the table has no snapshot.
+    async fn move_to_latest(&self, from: Option<i64>) -> Result<Option<i64>> {
         let Some(latest) = self
             .lake
             .snapshots(self.table)
@@ -232,7 +213,7 @@ impl Notifier {
             .commit_intents(
                 &self.spec.name,
                 &self.namespace,
-                Some(from),
+                from,
                 latest,
                 &[],
                 self.dry(),
@@ -245,7 +226,7 @@ impl Notifier {
                 latest,
             )
             .await?;
-        Ok(Some((from, latest)))
+        Ok(Some(latest))
     }
 
     /// Reads the output snapshots after the position (at most `max_snapshots`) and records
