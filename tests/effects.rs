@@ -1060,3 +1060,57 @@ fn a_serving_view_lets_an_erased_customer_go_at_the_rewrite() {
     assert_eq!(windows(), 0, "{key} is served after its erasure's rewrite");
     serving.terminate();
 }
+
+/// A job whose state holds an erased customer's open windows leaves them out of what it
+/// commits after the erasure: restored from its checkpoint, it fires them on time as the
+/// watermark passes, and none of their versions reaches the table, while other windows'
+/// do. (Before, the erased events came back in those versions.)
+#[test]
+fn a_running_job_leaves_an_erased_customers_windows_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed(dir.path());
+    // The customer of the newest order: its windows are still open.
+    let newest = support::cli::sql(
+        &lake,
+        "select tenant, customer_id from signalweave.events where event_type = 'order_placed' \
+         order by event_time desc, event_id limit 1",
+    );
+    let (tenant, customer) = (
+        newest[0]["tenant"].as_str().unwrap(),
+        newest[0]["customer_id"].as_str().unwrap(),
+    );
+    let key = signalweave_model::join_key(&[tenant, customer]);
+    let range = support::cli::sql(
+        &lake,
+        &format!(
+            "select cast(min(event_time) as varchar) lo, cast(max(event_time) as varchar) hi \
+             from signalweave.events where tenant = '{tenant}' and customer_id = '{customer}'"
+        ),
+    );
+    let (lo, hi) = (
+        range[0]["lo"].as_str().unwrap().to_string(),
+        range[0]["hi"].as_str().unwrap().to_string(),
+    );
+    let erased_windows = || {
+        support::cli::count(
+            &lake,
+            &format!(
+                "select count(*) from signalweave.customer_features where key = '{key}' \
+                 and window_start <= '{hi}' and window_end > '{lo}'"
+            ),
+        )
+    };
+    let all = || support::cli::count(&lake, "select count(*) from signalweave.customer_features");
+    // (Its newest windows are in the job's state only: no version of them is written yet.)
+    ok(erase_cmd(&lake, &key).output().unwrap());
+    assert_eq!(erased_windows(), 0);
+    let before = all();
+    // Event time moves on past every window the state holds open.
+    land_more(&lake, dir.path(), 24_000, 2);
+    assert!(all() > before, "other windows go on being written");
+    assert_eq!(
+        erased_windows(),
+        0,
+        "versions of {key}'s erased windows were written after the erasure"
+    );
+}

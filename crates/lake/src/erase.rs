@@ -97,6 +97,29 @@ impl ErasureRequest {
     }
 }
 
+/// The digest an erasure records of its subject (hex SHA-256): of the customer id within
+/// its tenant (`tenant`, a NUL, the id) when the erasure was scoped to one, else of the id.
+pub fn subject_digest(customer_id: &str, tenant: Option<&str>) -> String {
+    match tenant {
+        Some(t) => hex::encode(Sha256::digest(format!("{t}\u{0}{customer_id}").as_bytes())),
+        None => hex::encode(Sha256::digest(customer_id.as_bytes())),
+    }
+}
+
+/// An erasure as a running job reads it: whose windows over which event times to leave
+/// out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErasureNotice {
+    /// [`subject_digest`] of the subject.
+    pub subject_sha256: String,
+    /// When it was recorded (ms).
+    pub erased_ms: i64,
+    /// The erased events' event times (µs, inclusive).
+    pub event_from_us: i64,
+    /// See `event_from_us`.
+    pub event_to_us: i64,
+}
+
 /// What one table lost.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct TableErasure {
@@ -235,6 +258,13 @@ impl Lake {
             }
         }
         report.tables.push(events);
+        // Recorded as soon as the events are gone, with their event times: from then on a
+        // running job leaves the subject's windows over them out of what it commits, and
+        // what it committed before is rewritten below. The counts are completed at the end.
+        let recorded_early = report.event_time_range.is_some();
+        if recorded_early {
+            self.record_erasure(request, &report).await?;
+        }
         // A late row names its event, and its window's key: a job that read the subject's
         // events before the rewrite may commit their late rows after it, when the events
         // that would name them are gone.
@@ -309,7 +339,11 @@ impl Lake {
             report.snapshots_expired += r.snapshots_expired;
             report.data_files_deleted += r.deleted.data_files;
         }
-        self.record_erasure(request, &report).await?;
+        if recorded_early {
+            self.amend_erasure(&report).await?;
+        } else {
+            self.record_erasure(request, &report).await?;
+        }
         Ok(report)
     }
 
@@ -652,31 +686,52 @@ impl Lake {
     }
 
     async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
-        // The subject: its customer id, within its tenant when the erasure was scoped.
-        let subject = match &request.tenant {
-            Some(t) => hex::encode(Sha256::digest(
-                format!("{t}\u{0}{}", request.customer_id).as_bytes(),
-            )),
-            None => hex::encode(Sha256::digest(request.customer_id.as_bytes())),
-        };
+        let subject = subject_digest(&request.customer_id, request.tenant.as_deref());
         let counts = serde_json::to_string(&report.tables).unwrap_or_default();
-        let sql = if self.config().is_sqlite() {
-            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, requested_by, erased_ms, tables_json) VALUES (?, ?, ?, ?, ?, ?, ?)"
-        } else {
-            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, requested_by, erased_ms, tables_json) VALUES ($1, $2, $3, $4, $5, $6, $7)"
-        };
-        sqlx::query(sql)
-            .bind(report.erasure_id.as_str())
-            .bind(self.config().catalog_name.as_str())
-            .bind(subject)
-            .bind(request.reason.as_str())
-            .bind(request.requested_by.as_str())
-            .bind(chrono::Utc::now().timestamp_millis())
-            .bind(counts)
-            .execute(self.control_pool())
-            .await
-            .map_err(|e| LakeError::sql("record the erasure", e))?;
+        let (from, to) = report.event_time_range.unzip();
+        sqlx::query(&self.control_sql(
+            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, \
+             requested_by, erased_ms, tables_json, event_from_us, event_to_us) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        ))
+        .bind(report.erasure_id.as_str())
+        .bind(self.config().catalog_name.as_str())
+        .bind(subject)
+        .bind(request.reason.as_str())
+        .bind(request.requested_by.as_str())
+        .bind(chrono::Utc::now().timestamp_millis())
+        .bind(counts)
+        .bind(from)
+        .bind(to)
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("record the erasure", e))?;
         Ok(())
+    }
+
+    /// The erasures recorded after `after_ms` whose events had event times: a running job
+    /// leaves their subjects' windows over those times out of what it commits.
+    pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
+        let rows: Vec<(String, i64, Option<i64>, Option<i64>)> = sqlx::query_as(&self.control_sql(
+            "SELECT subject_sha256, erased_ms, event_from_us, event_to_us FROM sw_erasures \
+             WHERE catalog_name = $1 AND erased_ms > $2 ORDER BY erased_ms",
+        ))
+        .bind(self.config().catalog_name.as_str())
+        .bind(after_ms)
+        .fetch_all(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("read the erasures", e))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(subject_sha256, erased_ms, from, to)| {
+                Some(ErasureNotice {
+                    subject_sha256,
+                    erased_ms,
+                    event_from_us: from?,
+                    event_to_us: to?,
+                })
+            })
+            .collect())
     }
 }
 

@@ -396,11 +396,30 @@ impl Lake {
             "CREATE TABLE IF NOT EXISTS sw_erasures (erasure_id VARCHAR(255) PRIMARY KEY, \
              catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \
              reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
-             erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL)",
+             erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL, \
+             event_from_us BIGINT, event_to_us BIGINT)",
         )
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
+        // Made before, it had no event range: running jobs read it to leave the erased
+        // windows out.
+        for column in ["event_from_us", "event_to_us"] {
+            let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
+            if sqlx::query(&probe).execute(&self.control).await.is_err() {
+                let added = sqlx::query(&format!(
+                    "ALTER TABLE sw_erasures ADD COLUMN {column} BIGINT"
+                ))
+                .execute(&self.control)
+                .await;
+                // Another process may have added it meanwhile.
+                if let Err(e) = added
+                    && sqlx::query(&probe).execute(&self.control).await.is_err()
+                {
+                    return Err(LakeError::sql("add a column to sw_erasures", e));
+                }
+            }
+        }
         if !self.config.is_sqlite() {
             // Made before, it held 4,000 characters: an erasure now counts a row per output
             // table of every namespace. (SQLite does not limit a VARCHAR.)

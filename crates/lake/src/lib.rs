@@ -38,7 +38,9 @@ mod sql;
 pub use arrival::{ArrivalCursor, ArrivalKey, ArrivalWatermarks, ArrivedFile, FileSpans};
 pub use compact::{CompactionPolicy, CompactionReport};
 pub use config::{DEFAULT_CATALOG_NAME, LakeConfig, S3Config, Warehouse};
-pub use erase::{ErasureReport, ErasureRequest, KeyLayout, TableErasure};
+pub use erase::{
+    ErasureNotice, ErasureReport, ErasureRequest, KeyLayout, TableErasure, subject_digest,
+};
 pub use error::{LakeError, Result};
 pub use lake::{
     AppendOutcome, AppendWriter, Backlog, COMMIT_IDENTITY_TTL_MS, CommitIdentity,

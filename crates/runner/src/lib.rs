@@ -17,6 +17,7 @@ pub mod backfill;
 pub mod budget;
 mod checkpoint;
 pub mod compare;
+mod erased;
 mod error;
 pub mod freshness;
 mod late;

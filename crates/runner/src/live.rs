@@ -33,6 +33,7 @@ use signalweave_model::ErrorKind;
 use signalweave_window::{Emissions, EngineConfig, JobSpec, WindowEngine};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
+use crate::erased::ErasedWindows;
 use crate::error::{Result, RunnerError};
 use crate::freshness::{Freshness, STAGES};
 use crate::late::{self, LateEvent};
@@ -307,6 +308,8 @@ pub struct LiveJob {
     status: SharedStatus,
     labels: Labels,
     lease: LeaseKeeper,
+    /// Erasures whose windows the sink leaves out (a job keyed by customer).
+    erased: Option<ErasedWindows>,
 }
 
 impl std::fmt::Debug for LiveJob {
@@ -352,6 +355,7 @@ impl LiveJob {
             watermark_column: None,
             dedup_only_column: None,
         };
+        let erased = ErasedWindows::new(&spec);
         let mut job = Self {
             engine: WindowEngine::new(Arc::clone(&spec), engine_config.clone())?,
             freshness: Freshness::new(config.freshness_sample_every),
@@ -375,6 +379,7 @@ impl LiveJob {
             status,
             labels,
             lease,
+            erased,
         };
         let mut pointer = job.store.pointer().await?;
         // Roll forward: a prepared checkpoint after the pointer whose sink commit exists
@@ -794,10 +799,14 @@ impl LiveJob {
     /// Commits a checkpoint's outputs, then its late records. With `fresh` false (replay
     /// after a restart) every commit that exists is skipped. Returns the snapshots.
     async fn commit_sink(
-        &self,
+        &mut self,
         checkpoint: &Checkpoint,
         fresh: bool,
     ) -> Result<(Option<i64>, Option<i64>)> {
+        let watermark = self.engine.watermark();
+        if let Some(erased) = self.erased.as_mut() {
+            erased.refresh(&self.lake, watermark).await?;
+        }
         let summary: HashMap<String, String> = [
             (SUMMARY_JOB, self.spec.name.clone()),
             (SUMMARY_NAMESPACE, self.config.namespace.clone()),
@@ -818,6 +827,17 @@ impl LiveJob {
                 batch.columns().to_vec(),
             )
             .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
+            let batch = match self.erased.as_mut() {
+                Some(erased) => erased.outputs(batch)?,
+                None => Some(batch),
+            };
+            // Every row was an erased window's: nothing to commit.
+            let Some(batch) = batch else {
+                return self
+                    .commit_late(checkpoint, summary)
+                    .await
+                    .map(|l| (None, l));
+            };
             let identity = CommitIdentity::new(self.sink_writer(), checkpoint.epoch);
             if fresh
                 && self.config.fault
@@ -837,17 +857,31 @@ impl LiveJob {
                 .await?;
             out_snapshot = Some(outcome.snapshot_id);
         }
-        let mut late_snapshot = None;
-        if !checkpoint.late.is_empty() {
-            let batch = late::to_batch(&self.spec.name, &self.config.namespace, &checkpoint.late)?;
-            let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
-            let outcome = self
-                .lake
-                .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
-                .await?;
-            late_snapshot = Some(outcome.snapshot_id);
-        }
+        let late_snapshot = self.commit_late(checkpoint, summary).await?;
         Ok((out_snapshot, late_snapshot))
+    }
+
+    /// Commits a checkpoint's late records, less those of erased windows; returns the
+    /// snapshot.
+    async fn commit_late(
+        &mut self,
+        checkpoint: &Checkpoint,
+        summary: HashMap<String, String>,
+    ) -> Result<Option<i64>> {
+        let late = match self.erased.as_mut() {
+            Some(erased) => erased.late(&checkpoint.late),
+            None => std::borrow::Cow::Borrowed(&checkpoint.late[..]),
+        };
+        if late.is_empty() {
+            return Ok(None);
+        }
+        let batch = late::to_batch(&self.spec.name, &self.config.namespace, &late)?;
+        let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
+        let outcome = self
+            .lake
+            .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
+            .await?;
+        Ok(Some(outcome.snapshot_id))
     }
 
     /// Holds the source position and the sink snapshots against expiry: a restart needs

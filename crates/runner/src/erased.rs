@@ -1,0 +1,262 @@
+//! A running job's view of the erasures recorded after it read a subject's events: the
+//! windows of an erased customer over the erased events' times are left out of what the
+//! job commits (outputs and late rows), until its watermark has passed the last time any
+//! of them could change. The job's state still counts the erased events for those
+//! windows; this keeps that from reaching the tables. (`lake erase` removes what was
+//! committed before it.)
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
+use arrow::datatypes::TimestampMicrosecondType;
+use signalweave_lake::{ErasureNotice, Lake, subject_digest};
+use signalweave_model::{ErrorKind, split_key};
+use signalweave_window::JobSpec;
+
+use crate::error::{Result, RunnerError};
+use crate::late::LateEvent;
+
+/// Keys whose erasures are remembered at most (each is looked at again when forgotten).
+const MAX_KEYS_REMEMBERED: usize = 1 << 20;
+
+/// The erasures a job's outputs must leave out; see the module docs.
+#[derive(Debug)]
+pub(crate) struct ErasedWindows {
+    /// Key columns: how many, and where the customer id and the tenant are.
+    parts: usize,
+    customer: usize,
+    tenant: Option<usize>,
+    /// How long after an event its windows may still change: the window's span and the
+    /// allowed lateness.
+    settle_us: i64,
+    notices: Vec<ErasureNotice>,
+    /// The newest erasure read (ms).
+    read_ms: i64,
+    /// Per key seen while some erasure is in force: the notices naming it.
+    named: HashMap<String, Vec<usize>>,
+}
+
+impl ErasedWindows {
+    /// For a job whose key holds a customer id; None otherwise (its outputs name no one).
+    pub(crate) fn new(spec: &JobSpec) -> Option<Self> {
+        let at = |name: &str| spec.key.columns.iter().position(|c| c == name);
+        Some(Self {
+            parts: spec.key.columns.len(),
+            customer: at("customer_id")?,
+            tenant: at("tenant"),
+            settle_us: spec
+                .window
+                .span_us()
+                .saturating_add(signalweave_window::micros(spec.lateness.allowed)),
+            notices: Vec::new(),
+            read_ms: i64::MIN,
+            named: HashMap::new(),
+        })
+    }
+
+    /// Reads the erasures recorded since the last call, and forgets those whose windows
+    /// the `watermark` has passed for good.
+    pub(crate) async fn refresh(&mut self, lake: &Lake, watermark: i64) -> Result<()> {
+        let new = lake.erasures_after(self.read_ms).await?;
+        if let Some(last) = new.last() {
+            self.read_ms = last.erased_ms;
+        }
+        let mut changed = !new.is_empty();
+        self.notices.extend(new);
+        let held = self.notices.len();
+        let settle = self.settle_us;
+        self.notices
+            .retain(|n| n.event_to_us.saturating_add(settle) >= watermark);
+        changed |= self.notices.len() != held;
+        // The keys seen are remembered while an erasure is in force, a few hours at most.
+        if changed || self.named.len() > MAX_KEYS_REMEMBERED {
+            self.named.clear();
+        }
+        Ok(())
+    }
+
+    /// The notices naming `key`'s customer.
+    fn naming(&mut self, key: &str) -> &[usize] {
+        if !self.named.contains_key(key) {
+            let parts = split_key(key);
+            let mut found = Vec::new();
+            if parts.len() == self.parts {
+                let customer = &parts[self.customer];
+                let scoped = self
+                    .tenant
+                    .map(|t| subject_digest(customer, Some(&parts[t])));
+                let everywhere = subject_digest(customer, None);
+                for (i, n) in self.notices.iter().enumerate() {
+                    if n.subject_sha256 == everywhere
+                        || scoped.as_ref().is_some_and(|s| *s == n.subject_sha256)
+                    {
+                        found.push(i);
+                    }
+                }
+            }
+            self.named.insert(key.to_string(), found);
+        }
+        &self.named[key]
+    }
+
+    /// Whether a window `[start, end)` of `key` may count an erased event.
+    fn erased_window(&mut self, key: &str, start: i64, end: i64) -> bool {
+        let hits = self.naming(key).to_vec();
+        hits.iter().any(|&i| {
+            let n = &self.notices[i];
+            start <= n.event_to_us && end > n.event_from_us
+        })
+    }
+
+    /// `batch` (output rows) without the rows of erased windows; None when none is left.
+    pub(crate) fn outputs(&mut self, batch: RecordBatch) -> Result<Option<RecordBatch>> {
+        if self.notices.is_empty() {
+            return Ok(Some(batch));
+        }
+        let missing = |name: &str| {
+            RunnerError::new(ErrorKind::Internal, format!("output batch without {name}"))
+        };
+        let keys = batch
+            .column_by_name("key")
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or_else(|| missing("key"))?
+            .clone();
+        let time = |name: &str| {
+            batch
+                .column_by_name(name)
+                .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>())
+                .cloned()
+                .ok_or_else(|| missing(name))
+        };
+        let (starts, ends) = (time("window_start")?, time("window_end")?);
+        let keep: BooleanArray = (0..batch.num_rows())
+            .map(|i| {
+                Some(
+                    !(keys.is_valid(i)
+                        && self.erased_window(keys.value(i), starts.value(i), ends.value(i))),
+                )
+            })
+            .collect();
+        if keep.true_count() == batch.num_rows() {
+            return Ok(Some(batch));
+        }
+        tracing::info!(
+            rows = batch.num_rows() - keep.true_count(),
+            "left out output rows of erased windows"
+        );
+        let kept = arrow::compute::filter_record_batch(&batch, &keep)
+            .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("filter outputs: {e}")))?;
+        Ok((kept.num_rows() > 0).then_some(kept))
+    }
+
+    /// `late` without the rows of erased events' windows.
+    pub(crate) fn late<'a>(&mut self, late: &'a [LateEvent]) -> Cow<'a, [LateEvent]> {
+        if self.notices.is_empty() {
+            return Cow::Borrowed(late);
+        }
+        Cow::Owned(
+            late.iter()
+                .filter(|r| {
+                    !r.key.as_deref().is_some_and(|k| {
+                        self.erased_window(k, r.event_time, r.event_time.saturating_add(1))
+                    })
+                })
+                .cloned()
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+
+    use arrow::array::{ArrayRef, StringArray, TimestampMicrosecondArray};
+    use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
+
+    use super::*;
+
+    const MIN: i64 = 60_000_000;
+
+    fn windows() -> ErasedWindows {
+        let spec =
+            JobSpec::from_toml(include_str!("../../../jobs/customer_features.toml")).unwrap();
+        let mut w = ErasedWindows::new(&spec).unwrap();
+        w.notices.push(ErasureNotice {
+            subject_sha256: subject_digest("c|1", Some("t-0")),
+            erased_ms: 1,
+            event_from_us: 100 * MIN,
+            event_to_us: 105 * MIN,
+        });
+        w
+    }
+
+    fn late(key: &str, event_time: i64) -> LateEvent {
+        LateEvent {
+            reason: "beyond_allowed_lateness".into(),
+            watermark: 0,
+            classified_at: 0,
+            tenant: "t-0".into(),
+            event_id: "e".into(),
+            event_type: "order_placed".into(),
+            event_time,
+            ingest_time: 0,
+            key: Some(key.into()),
+            amount_minor: None,
+            currency: None,
+        }
+    }
+
+    /// The subject's windows over the erased times go, with its late rows of those times;
+    /// its later windows, another tenant's same customer id and other customers stay.
+    #[test]
+    fn an_erased_customers_windows_over_the_erased_times_are_left_out() {
+        let mut w = windows();
+        let subject = signalweave_model::join_key(&["t-0", "c|1"]);
+        let rows = [
+            (subject.as_str(), 96, 106),
+            (subject.as_str(), 104, 114),
+            (subject.as_str(), 106, 116),
+            ("t-1|c\\|1", 100, 110),
+            ("t-0|c-2", 100, 110),
+        ];
+        let ts = |v: Vec<i64>| -> ArrayRef {
+            Arc::new(TimestampMicrosecondArray::from(v).with_timezone("+00:00"))
+        };
+        let ts_type = DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into()));
+        let batch = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![
+                Field::new("key", DataType::Utf8, false),
+                Field::new("window_start", ts_type.clone(), false),
+                Field::new("window_end", ts_type, false),
+            ])),
+            vec![
+                Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.0))),
+                ts(rows.iter().map(|r| r.1 * MIN).collect()),
+                ts(rows.iter().map(|r| r.2 * MIN).collect()),
+            ],
+        )
+        .unwrap();
+        let kept = w.outputs(batch).unwrap().unwrap();
+        let keys = kept.column(0).as_string::<i32>();
+        let starts = kept.column(1).as_primitive::<TimestampMicrosecondType>();
+        let left: Vec<(&str, i64)> = (0..kept.num_rows())
+            .map(|i| (keys.value(i), starts.value(i) / MIN))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                (subject.as_str(), 106),
+                ("t-1|c\\|1", 100),
+                ("t-0|c-2", 100)
+            ]
+        );
+        let rows = [late(&subject, 103 * MIN), late(&subject, 107 * MIN)];
+        let kept = w.late(&rows);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].event_time, 107 * MIN);
+    }
+}
