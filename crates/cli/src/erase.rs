@@ -187,10 +187,10 @@ fn print(report: &ErasureReport, jobs_dir: &Path, format: Format) -> Result<()> 
     }
     if let Some(until) = report.outputs_open_until_us {
         eprintln!(
-            "The customer's windows accept late events until {}: a job running now may still \
-             write versions of them that count the erased events, and a notifier that read \
-             outputs just before the rewrite may still record an effect of them. Run this \
-             erasure again once the jobs' watermarks have passed that time.",
+            "The customer's windows may change until {}. A live job keyed by customer leaves \
+             their versions out from now on; one that committed them just before the \
+             rewrite, or a notifier that read them then, may have left a row or an effect of \
+             them. Run this erasure again once the jobs' watermarks have passed that time.",
             time(until)
         );
     }
