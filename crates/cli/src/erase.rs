@@ -164,25 +164,28 @@ fn print(report: &ErasureReport, jobs_dir: &Path, format: Format) -> Result<()> 
     let time = signalweave_model::format_rfc3339_micros;
     let list =
         |s: &std::collections::BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
-    if let Some((lo, hi)) = report.event_time_range {
-        eprintln!(
-            "erasure {} recorded. Recompute derived outputs with a backfill over {} .. {} (markets: {}; event types: {}).",
-            report.erasure_id,
-            time(lo),
-            time(hi),
-            list(&report.markets),
-            list(&report.event_types),
-        );
-    } else if report.snapshots_expired > 0 {
+    let in_current = report.tables.first().is_some_and(|t| t.rows > 0);
+    if !in_current && report.snapshots_expired > 0 {
         eprintln!(
             "erasure {} recorded; the current snapshot held no events of this customer, \
              older snapshots did (an erasure stopped before its expiry): {} expired.",
             report.erasure_id, report.snapshots_expired
         );
-    } else {
+    } else if report.event_time_range.is_none() {
         eprintln!(
             "erasure {} recorded; no events of this customer were found.",
             report.erasure_id
+        );
+    } else {
+        eprintln!("erasure {} recorded.", report.erasure_id);
+    }
+    if let Some((lo, hi)) = report.event_time_range {
+        eprintln!(
+            "Recompute derived outputs with a backfill over {} .. {} (markets: {}; event types: {}).",
+            time(lo),
+            time(hi),
+            list(&report.markets),
+            list(&report.event_types),
         );
     }
     if let Some(until) = report.outputs_open_until_us {

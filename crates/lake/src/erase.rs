@@ -110,6 +110,8 @@ pub fn subject_digest(customer_id: &str, tenant: Option<&str>) -> String {
 /// out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ErasureNotice {
+    /// The erasure.
+    pub erasure_id: String,
     /// [`subject_digest`] of the subject.
     pub subject_sha256: String,
     /// When it was recorded (ms).
@@ -161,6 +163,11 @@ pub struct ErasureReport {
     /// running job that held their state writes further versions of them until its
     /// watermark passes this, so erase again once it has.
     pub outputs_open_until_us: Option<i64>,
+}
+
+/// `range` widened to hold `t`.
+fn widen(range: &mut Option<(i64, i64)>, t: i64) {
+    *range = Some(range.map_or((t, t), |(lo, hi)| (lo.min(t), hi.max(t))));
 }
 
 fn column<'a>(b: &'a RecordBatch, name: &str) -> Result<&'a arrow::array::StringArray> {
@@ -216,11 +223,7 @@ impl Lake {
                 }
                 report.event_types.insert(types.value(i).to_string());
                 if let Some(t) = times {
-                    let v = t.value(i);
-                    report.event_time_range = Some(match report.event_time_range {
-                        None => (v, v),
-                        Some((lo, hi)) => (lo.min(v), hi.max(v)),
-                    });
+                    widen(&mut report.event_time_range, t.value(i));
                 }
             }
         }
@@ -253,8 +256,15 @@ impl Lake {
             );
             let ids = column(&b, "event_id")?;
             let tenants = column(&b, "tenant")?;
+            // A run stopped after the events' rewrite left their times only here.
+            let times = b
+                .column_by_name("event_time")
+                .and_then(|c| c.as_primitive_opt::<TimestampMicrosecondType>());
             for i in 0..b.num_rows() {
                 identities.insert((tenants.value(i).to_string(), ids.value(i).to_string()));
+                if let Some(t) = times {
+                    widen(&mut report.event_time_range, t.value(i));
+                }
             }
         }
         report.tables.push(events);
@@ -263,7 +273,7 @@ impl Lake {
         // what it committed before is rewritten below. The counts are completed at the end.
         let recorded_early = report.event_time_range.is_some();
         if recorded_early {
-            self.record_erasure(request, &report).await?;
+            self.record_erasure(request, &report, false).await?;
         }
         // A late row names its event, and its window's key: a job that read the subject's
         // events before the rewrite may commit their late rows after it, when the events
@@ -342,7 +352,7 @@ impl Lake {
         if recorded_early {
             self.amend_erasure(&report).await?;
         } else {
-            self.record_erasure(request, &report).await?;
+            self.record_erasure(request, &report, true).await?;
         }
         Ok(report)
     }
@@ -668,9 +678,11 @@ impl Lake {
     pub async fn amend_erasure(&self, report: &ErasureReport) -> Result<()> {
         let counts = serde_json::to_string(&report.tables).unwrap_or_default();
         let done = sqlx::query(&self.control_sql(
-            "UPDATE sw_erasures SET tables_json = $1 WHERE erasure_id = $2 AND catalog_name = $3",
+            "UPDATE sw_erasures SET tables_json = $1, completed_ms = $2 \
+             WHERE erasure_id = $3 AND catalog_name = $4",
         ))
         .bind(counts)
+        .bind(chrono::Utc::now().timestamp_millis())
         .bind(report.erasure_id.as_str())
         .bind(self.config().catalog_name.as_str())
         .execute(self.control_pool())
@@ -685,24 +697,33 @@ impl Lake {
         Ok(())
     }
 
-    async fn record_erasure(&self, request: &ErasureRequest, report: &ErasureReport) -> Result<()> {
+    /// Records the erasure; `completed`: it is done (else [`Lake::amend_erasure`] marks
+    /// it so).
+    async fn record_erasure(
+        &self,
+        request: &ErasureRequest,
+        report: &ErasureReport,
+        completed: bool,
+    ) -> Result<()> {
+        let now = chrono::Utc::now().timestamp_millis();
         let subject = subject_digest(&request.customer_id, request.tenant.as_deref());
         let counts = serde_json::to_string(&report.tables).unwrap_or_default();
         let (from, to) = report.event_time_range.unzip();
         sqlx::query(&self.control_sql(
             "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, \
-             requested_by, erased_ms, tables_json, event_from_us, event_to_us) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+             requested_by, erased_ms, tables_json, event_from_us, event_to_us, completed_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         ))
         .bind(report.erasure_id.as_str())
         .bind(self.config().catalog_name.as_str())
         .bind(subject)
         .bind(request.reason.as_str())
         .bind(request.requested_by.as_str())
-        .bind(chrono::Utc::now().timestamp_millis())
+        .bind(now)
         .bind(counts)
         .bind(from)
         .bind(to)
+        .bind(completed.then_some(now))
         .execute(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("record the erasure", e))?;
@@ -710,11 +731,14 @@ impl Lake {
     }
 
     /// The erasures recorded after `after_ms` whose events had event times: a running job
-    /// leaves their subjects' windows over those times out of what it commits.
+    /// leaves their subjects' windows over those times out of what it commits. (Times are
+    /// the erasing host's clock: a reader asks from a margin before the newest it read.)
     pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
-        let rows: Vec<(String, i64, Option<i64>, Option<i64>)> = sqlx::query_as(&self.control_sql(
-            "SELECT subject_sha256, erased_ms, event_from_us, event_to_us FROM sw_erasures \
-             WHERE catalog_name = $1 AND erased_ms > $2 ORDER BY erased_ms",
+        // Id, subject, time, and the event times (unknown when no event was erased).
+        type Row = (String, String, i64, Option<i64>, Option<i64>);
+        let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
+            "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us \
+                 FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 ORDER BY erased_ms",
         ))
         .bind(self.config().catalog_name.as_str())
         .bind(after_ms)
@@ -723,8 +747,9 @@ impl Lake {
         .map_err(|e| LakeError::sql("read the erasures", e))?;
         Ok(rows
             .into_iter()
-            .filter_map(|(subject_sha256, erased_ms, from, to)| {
+            .filter_map(|(erasure_id, subject_sha256, erased_ms, from, to)| {
                 Some(ErasureNotice {
+                    erasure_id,
                     subject_sha256,
                     erased_ms,
                     event_from_us: from?,

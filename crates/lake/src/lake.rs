@@ -397,14 +397,23 @@ impl Lake {
              catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \
              reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
              erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL, \
-             event_from_us BIGINT, event_to_us BIGINT)",
+             event_from_us BIGINT, event_to_us BIGINT, completed_ms BIGINT)",
         )
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
-        // Made before, it had no event range: running jobs read it to leave the erased
-        // windows out.
-        for column in ["event_from_us", "event_to_us"] {
+        // Made before, it had no event range (running jobs read it to leave the erased
+        // windows out) and no mark of an erasure's end.
+        for column in ["event_from_us", "event_to_us", "completed_ms"] {
+            if !self.config.is_sqlite() {
+                sqlx::query(&format!(
+                    "ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} BIGINT"
+                ))
+                .execute(&self.control)
+                .await
+                .map_err(|e| LakeError::sql("add a column to sw_erasures", e))?;
+                continue;
+            }
             let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
             if sqlx::query(&probe).execute(&self.control).await.is_err() {
                 let added = sqlx::query(&format!(
@@ -420,6 +429,12 @@ impl Lake {
                 }
             }
         }
+        sqlx::query(
+            "CREATE INDEX IF NOT EXISTS sw_erasures_by_time ON sw_erasures (catalog_name, erased_ms)",
+        )
+        .execute(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("index sw_erasures", e))?;
         if !self.config.is_sqlite() {
             // Made before, it held 4,000 characters: an erasure now counts a row per output
             // table of every namespace. (SQLite does not limit a VARCHAR.)

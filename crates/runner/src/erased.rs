@@ -6,19 +6,23 @@
 //! committed before it.)
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
 use arrow::datatypes::TimestampMicrosecondType;
 use signalweave_lake::{ErasureNotice, Lake, subject_digest};
 use signalweave_model::{ErrorKind, split_key};
-use signalweave_window::JobSpec;
+use signalweave_window::{JobSpec, WindowSpec};
 
 use crate::error::{Result, RunnerError};
 use crate::late::LateEvent;
 
 /// Keys whose erasures are remembered at most (each is looked at again when forgotten).
 const MAX_KEYS_REMEMBERED: usize = 1 << 20;
+
+/// How far before the newest erasure read the next read starts (ms): erasures are timed
+/// by the erasing host's clock, and two may commit out of their times' order.
+const READ_MARGIN_MS: i64 = 10 * 60 * 1000;
 
 /// The erasures a job's outputs must leave out; see the module docs.
 #[derive(Debug)]
@@ -28,10 +32,11 @@ pub(crate) struct ErasedWindows {
     customer: usize,
     tenant: Option<usize>,
     /// How long after an event its windows may still change: the window's span and the
-    /// allowed lateness.
+    /// allowed lateness (a session, which an event can extend, never settles).
     settle_us: i64,
     notices: Vec<ErasureNotice>,
-    /// The newest erasure read (ms).
+    /// The erasures read, and the newest time among them (ms).
+    read: HashSet<String>,
     read_ms: i64,
     /// Per key seen while some erasure is in force: the notices naming it.
     named: HashMap<String, Vec<usize>>,
@@ -41,72 +46,91 @@ impl ErasedWindows {
     /// For a job whose key holds a customer id; None otherwise (its outputs name no one).
     pub(crate) fn new(spec: &JobSpec) -> Option<Self> {
         let at = |name: &str| spec.key.columns.iter().position(|c| c == name);
+        let settle_us = match spec.window {
+            WindowSpec::Session { .. } => i64::MAX,
+            _ => spec
+                .window
+                .span_us()
+                .saturating_add(signalweave_window::micros(spec.lateness.allowed)),
+        };
         Some(Self {
             parts: spec.key.columns.len(),
             customer: at("customer_id")?,
             tenant: at("tenant"),
-            settle_us: spec
-                .window
-                .span_us()
-                .saturating_add(signalweave_window::micros(spec.lateness.allowed)),
+            settle_us,
             notices: Vec::new(),
+            read: HashSet::new(),
             read_ms: i64::MIN,
             named: HashMap::new(),
         })
     }
 
-    /// Reads the erasures recorded since the last call, and forgets those whose windows
-    /// the `watermark` has passed for good.
-    pub(crate) async fn refresh(&mut self, lake: &Lake, watermark: i64) -> Result<()> {
-        let new = lake.erasures_after(self.read_ms).await?;
-        if let Some(last) = new.last() {
-            self.read_ms = last.erased_ms;
+    /// Reads the erasures recorded since the last read. Called before each commit, so an
+    /// erasure applies to every commit after it was recorded.
+    pub(crate) async fn read_new(&mut self, lake: &Lake) -> Result<()> {
+        let new: Vec<ErasureNotice> = lake
+            .erasures_after(self.read_ms.saturating_sub(READ_MARGIN_MS))
+            .await?
+            .into_iter()
+            .filter(|n| !self.read.contains(&n.erasure_id))
+            .collect();
+        if new.is_empty() {
+            return Ok(());
         }
-        let mut changed = !new.is_empty();
+        for n in &new {
+            self.read.insert(n.erasure_id.clone());
+            self.read_ms = self.read_ms.max(n.erased_ms);
+        }
         self.notices.extend(new);
-        let held = self.notices.len();
-        let settle = self.settle_us;
-        self.notices
-            .retain(|n| n.event_to_us.saturating_add(settle) >= watermark);
-        changed |= self.notices.len() != held;
-        // The keys seen are remembered while an erasure is in force, a few hours at most.
-        if changed || self.named.len() > MAX_KEYS_REMEMBERED {
-            self.named.clear();
-        }
+        self.named.clear();
         Ok(())
     }
 
-    /// The notices naming `key`'s customer.
-    fn naming(&mut self, key: &str) -> &[usize] {
-        if !self.named.contains_key(key) {
-            let parts = split_key(key);
-            let mut found = Vec::new();
-            if parts.len() == self.parts {
-                let customer = &parts[self.customer];
-                let scoped = self
-                    .tenant
-                    .map(|t| subject_digest(customer, Some(&parts[t])));
-                let everywhere = subject_digest(customer, None);
-                for (i, n) in self.notices.iter().enumerate() {
-                    if n.subject_sha256 == everywhere
-                        || scoped.as_ref().is_some_and(|s| *s == n.subject_sha256)
-                    {
-                        found.push(i);
-                    }
-                }
-            }
-            self.named.insert(key.to_string(), found);
+    /// Forgets the erasures whose windows have all settled by `watermark`: the watermark of
+    /// a commit just made, below which nothing later is emitted. (Before a commit, its rows
+    /// were emitted at lower watermarks, and an erasure must still apply to them.)
+    pub(crate) fn expire(&mut self, watermark: i64) {
+        let settle = self.settle_us;
+        let held = self.notices.len();
+        self.notices
+            .retain(|n| n.event_to_us.saturating_add(settle) >= watermark);
+        // The keys seen are remembered while an erasure is in force, a few hours at most.
+        if self.notices.len() != held || self.named.len() > MAX_KEYS_REMEMBERED {
+            self.named.clear();
         }
-        &self.named[key]
     }
 
     /// Whether a window `[start, end)` of `key` may count an erased event.
     fn erased_window(&mut self, key: &str, start: i64, end: i64) -> bool {
-        let hits = self.naming(key).to_vec();
-        hits.iter().any(|&i| {
-            let n = &self.notices[i];
+        if !self.named.contains_key(key) {
+            let found = self.naming(key);
+            self.named.insert(key.to_string(), found);
+        }
+        let notices = &self.notices;
+        self.named[key].iter().any(|&i| {
+            let n = &notices[i];
             start <= n.event_to_us && end > n.event_from_us
         })
+    }
+
+    /// The notices naming `key`'s customer: by the digest of the customer id within the
+    /// key's tenant, or alone (an erasure of every tenant).
+    fn naming(&self, key: &str) -> Vec<usize> {
+        let parts = split_key(key);
+        if parts.len() != self.parts {
+            return Vec::new();
+        }
+        let customer = &parts[self.customer];
+        let scoped = self
+            .tenant
+            .map(|t| subject_digest(customer, Some(&parts[t])));
+        let everywhere = subject_digest(customer, None);
+        (0..self.notices.len())
+            .filter(|&i| {
+                let d = &self.notices[i].subject_sha256;
+                *d == everywhere || scoped.as_ref() == Some(d)
+            })
+            .collect()
     }
 
     /// `batch` (output rows) without the rows of erased windows; None when none is left.
@@ -186,6 +210,7 @@ mod tests {
             JobSpec::from_toml(include_str!("../../../jobs/customer_features.toml")).unwrap();
         let mut w = ErasedWindows::new(&spec).unwrap();
         w.notices.push(ErasureNotice {
+            erasure_id: "erase-1".into(),
             subject_sha256: subject_digest("c|1", Some("t-0")),
             erased_ms: 1,
             event_from_us: 100 * MIN,
@@ -258,5 +283,12 @@ mod tests {
         let kept = w.late(&rows);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].event_time, 107 * MIN);
+        // In force until a commit's watermark has passed the last change any of the
+        // erased events' windows could see (their end and the allowed lateness).
+        let settled = 105 * MIN + w.settle_us;
+        w.expire(settled);
+        assert_eq!(w.late(&rows).len(), 1);
+        w.expire(settled + 1);
+        assert!(matches!(w.late(&rows), Cow::Borrowed(_)));
     }
 }

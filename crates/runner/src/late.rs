@@ -106,12 +106,10 @@ pub fn extract(
         let key = if keys.iter().any(|k| k.is_null(row)) {
             None
         } else {
-            Some(
-                keys.iter()
-                    .map(|k| k.value(row))
-                    .collect::<Vec<_>>()
-                    .join("|"),
-            )
+            // Joined as the engine joins an output's key (escaped), so an erasure finds it.
+            Some(signalweave_model::join_key(
+                &keys.iter().map(|k| k.value(row)).collect::<Vec<_>>(),
+            ))
         };
         let opt_str =
             |a: &arrow::array::StringArray| (!a.is_null(row)).then(|| a.value(row).to_string());

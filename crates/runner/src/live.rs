@@ -427,6 +427,7 @@ impl LiveJob {
             job.epoch = epoch;
             // Replay: commits that exist are recognised and skipped.
             let (out_snapshot, late_snapshot) = job.commit_sink(&checkpoint, false).await?;
+            job.expire_erasures();
             job.hold(out_snapshot, late_snapshot).await?;
             job.metrics
                 .checkpoint_bytes
@@ -725,6 +726,7 @@ impl LiveJob {
         self.lease.check()?;
         let sink_started = Instant::now();
         let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;
+        self.expire_erasures();
         if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
             let secs = sink_started.elapsed().as_secs_f64();
             self.metrics
@@ -803,9 +805,8 @@ impl LiveJob {
         checkpoint: &Checkpoint,
         fresh: bool,
     ) -> Result<(Option<i64>, Option<i64>)> {
-        let watermark = self.engine.watermark();
         if let Some(erased) = self.erased.as_mut() {
-            erased.refresh(&self.lake, watermark).await?;
+            erased.read_new(&self.lake).await?;
         }
         let summary: HashMap<String, String> = [
             (SUMMARY_JOB, self.spec.name.clone()),
@@ -861,6 +862,14 @@ impl LiveJob {
         Ok((out_snapshot, late_snapshot))
     }
 
+    /// After a sink commit: the erasures whose windows have all settled are forgotten.
+    fn expire_erasures(&mut self) {
+        let watermark = self.engine.watermark();
+        if let Some(erased) = self.erased.as_mut() {
+            erased.expire(watermark);
+        }
+    }
+
     /// Commits a checkpoint's late records, less those of erased windows; returns the
     /// snapshot.
     async fn commit_late(
@@ -869,7 +878,11 @@ impl LiveJob {
         summary: HashMap<String, String>,
     ) -> Result<Option<i64>> {
         let late = match self.erased.as_mut() {
-            Some(erased) => erased.late(&checkpoint.late),
+            Some(erased) => {
+                // Read again: an erasure rewrites late rows first, right after its record.
+                erased.read_new(&self.lake).await?;
+                erased.late(&checkpoint.late)
+            }
             None => std::borrow::Cow::Borrowed(&checkpoint.late[..]),
         };
         if late.is_empty() {
