@@ -310,6 +310,8 @@ pub struct LiveJob {
     lease: LeaseKeeper,
     /// Erasures whose windows the sink leaves out (a job keyed by customer).
     erased: Option<ErasedWindows>,
+    /// Output rows the last sink commit wrote (less those of erased windows).
+    committed_outputs: u64,
 }
 
 impl std::fmt::Debug for LiveJob {
@@ -380,6 +382,7 @@ impl LiveJob {
             labels,
             lease,
             erased,
+            committed_outputs: 0,
         };
         let mut pointer = job.store.pointer().await?;
         // Roll forward: a prepared checkpoint after the pointer whose sink commit exists
@@ -769,13 +772,13 @@ impl LiveJob {
         self.metrics
             .outputs
             .get_or_create(&self.labels)
-            .inc_by(checkpoint.outputs.len() as u64);
+            .inc_by(self.committed_outputs);
         let size = self.engine.state_size();
         if let Ok(mut s) = self.status.lock() {
             s.epoch = epoch;
             s.position = self.position;
             s.checkpoint_bytes = written.bytes;
-            s.outputs += checkpoint.outputs.len() as u64;
+            s.outputs += self.committed_outputs;
             s.state_keys = size.keys as u64;
             s.state_bytes = (size.window_state_bytes + size.dedup_bytes) as u64;
             s.freshness_s = [
@@ -817,6 +820,7 @@ impl LiveJob {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         let mut out_snapshot = None;
+        self.committed_outputs = 0;
         if !checkpoint.outputs.is_empty() {
             let batch = checkpoint.outputs.to_batch(
                 &self.spec,
@@ -852,6 +856,7 @@ impl LiveJob {
                 let _files = writer.finish().await?;
                 self.fault(FaultStage::MidCommit, checkpoint.epoch);
             }
+            self.committed_outputs = batch.num_rows() as u64;
             let outcome = self
                 .lake
                 .append_with_summary(self.output, &[batch], &identity, summary.clone())
