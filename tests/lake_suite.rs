@@ -816,6 +816,11 @@ async fn an_erasure_commits_while_appends_keep_coming() {
     let report = erased.unwrap();
     assert_eq!(report.tables[0].rows, theirs as u64, "{report:?}");
     assert!(appended >= 2, "appends during the erasure: {appended}");
+    // Expiry took every snapshot before the erasure's and none after it: a reader caught
+    // up at it, or at an append after it, goes on.
+    let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
+    assert_eq!(snaps[0].snapshot_id, report.tables[0].snapshot_id.unwrap());
+    assert_eq!(snaps[0].operation, "overwrite");
     let q = format!("select count(*) from signalweave.events where customer_id = '{subject}'");
     assert_eq!(count(&lake, &q).await, 0);
     // Nothing appended meanwhile is lost, before the erasure's commit or after it.

@@ -214,7 +214,9 @@ pub async fn run_beside_up(
         settle_timeout: Duration::from_secs(30),
         lease_wait: Duration::from_secs(10),
         start_at: StartAt::Earliest,
-        skip_expired: false,
+        // Beside the gateway and the live jobs, a notifier whose position an erasure
+        // expired goes on (saying so) rather than stopping them all, at every restart.
+        skip_expired: true,
     };
     run_job(lake, ledger, &args, stop).await
 }
@@ -335,7 +337,19 @@ async fn run_leased(
             )
             .into());
         }
-        let step = notifier.step(a.max_snapshots_per_step).await?;
+        let step = match notifier.step(a.max_snapshots_per_step).await {
+            Err(e) if a.skip_expired && e.kind() == signalweave_model::ErrorKind::NotFound => {
+                if let Some((from, to)) = notifier.skip_expired().await? {
+                    eprintln!(
+                        "effects: the position {from} had expired; going on from snapshot \
+                         {to}: outputs committed between are not notified"
+                    );
+                    continue;
+                }
+                return Err(e.into());
+            }
+            step => step?,
+        };
         if let Some(d) = &dispatcher {
             d.pass().await?;
         }
@@ -380,6 +394,8 @@ async fn status(lake: &Lake, ledger: &Ledger, a: &StatusArgs) -> Result<ExitCode
     let effects = ledger.effects(&spec.name, ns, None).await?;
     let mut latency: Vec<i64> = effects
         .iter()
+        // An erased effect keeps no trigger time.
+        .filter(|e| e.trigger_event_us != 0)
         .filter_map(|e| e.delivered_ms.map(|d| d - e.trigger_event_us / 1000))
         .collect();
     latency.sort_unstable();

@@ -20,7 +20,8 @@ pub fn specs(dir: &Path) -> Result<(Vec<KeyLayout>, Vec<NotificationSpec>)> {
             signalweave_model::ErrorKind::InvalidInput,
             format!(
                 "no job specs at {}: an erasure reads them to find the outputs keyed by the \
-                 customer; run it from the repository or pass --jobs-dir",
+                 customer; run it from the repository, or pass --jobs-dir (or set \
+                 SIGNALWEAVE_JOBS_DIR)",
                 dir.display()
             ),
         )

@@ -213,7 +213,7 @@ enum LakeCommand {
         /// Directory of job specs (every version under it): the outputs whose key names
         /// a customer lose the subject's windows, and the notifications of those jobs
         /// their effects.
-        #[arg(long, default_value = "jobs")]
+        #[arg(long, env = "SIGNALWEAVE_JOBS_DIR", default_value = "jobs")]
         jobs_dir: PathBuf,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Table)]

@@ -546,6 +546,10 @@ impl Ledger {
              AND e.namespace = 'live' AND e.effect_id = $5 AND e.state = 'erased') THEN NULL ELSE $6 END \
              WHERE catalog_name = $7 AND namespace = 'live' AND effect_id = $8 AND attempt = $9",
         );
+        // In effect id order, as an erasure locks them: two transactions that lock rows in
+        // one order cannot deadlock.
+        let mut settlements: Vec<&Settlement> = settlements.iter().collect();
+        settlements.sort_by(|a, b| a.effect_id.cmp(&b.effect_id));
         for st in settlements {
             let delivered =
                 (st.state == state::DELIVERED || st.state == state::RECONCILED).then_some(now);
@@ -679,17 +683,18 @@ impl Ledger {
             .begin()
             .await
             .map_err(|e| EffectError::sql("begin an erasure", e))?;
-        // Effects first, then their attempts: the order `settle_all` locks them in.
+        // Each effect, then its attempts, in effect id order: the order `settle_all` locks
+        // them in.
         let ids = self.sql(
             "SELECT namespace, effect_id FROM sw_effects WHERE catalog_name = $1 AND job = $2 \
-             AND effect_key = $3",
+             AND effect_key = $3 ORDER BY effect_id, namespace",
         );
         let effects = self.sql(
             "UPDATE sw_effects SET effect_key = '', message = '', value = 0, trigger_event_us = 0, \
              provider_ref = NULL, last_error = NULL, updated_ms = $1, \
              state = CASE WHEN state IN ('intended', 'dispatching', 'failed', 'ambiguous') \
              THEN 'erased' ELSE state END \
-             WHERE catalog_name = $2 AND job = $3 AND effect_key = $4",
+             WHERE catalog_name = $2 AND namespace = $3 AND effect_id = $4 AND effect_key = $5",
         );
         let answers = self.sql(
             "UPDATE sw_effect_attempts SET answer = NULL WHERE catalog_name = $1 \
@@ -705,16 +710,17 @@ impl Ledger {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(|e| EffectError::sql("read the effects of a key", e))?;
-            erased += sqlx::query(&effects)
-                .bind(now)
-                .bind(&self.catalog)
-                .bind(job)
-                .bind(key)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| EffectError::sql("erase effects", e))?
-                .rows_affected();
             for (namespace, effect_id) in &of_key {
+                erased += sqlx::query(&effects)
+                    .bind(now)
+                    .bind(&self.catalog)
+                    .bind(namespace)
+                    .bind(effect_id)
+                    .bind(key)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| EffectError::sql("erase an effect", e))?
+                    .rows_affected();
                 sqlx::query(&answers)
                     .bind(&self.catalog)
                     .bind(namespace)

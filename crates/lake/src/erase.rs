@@ -343,6 +343,9 @@ impl Lake {
                     max_age_ms: 0,
                 }),
                 override_holds: true,
+                // The erasure's own snapshot and those after it reference none of the old
+                // files: readers caught up at it, or after it, go on.
+                keep_from: t.snapshot_id,
                 ..Default::default()
             };
             let r = self.maintain(table, &policy).await?;
@@ -738,7 +741,8 @@ impl Lake {
         type Row = (String, String, i64, Option<i64>, Option<i64>);
         let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
             "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us \
-                 FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 ORDER BY erased_ms",
+                 FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 \
+                 AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL ORDER BY erased_ms",
         ))
         .bind(self.config().catalog_name.as_str())
         .bind(after_ms)

@@ -403,38 +403,61 @@ impl Lake {
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
         // Made before, it had no event range (running jobs read it to leave the erased
-        // windows out) and no mark of an erasure's end.
+        // windows out) and no mark of an erasure's end. Looked up first: DDL on
+        // PostgreSQL locks the table, and every command opens the lake.
         for column in ["event_from_us", "event_to_us", "completed_ms"] {
-            if !self.config.is_sqlite() {
-                sqlx::query(&format!(
-                    "ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} BIGINT"
-                ))
-                .execute(&self.control)
+            let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
+            let present = if self.config.is_sqlite() {
+                sqlx::query(&probe).execute(&self.control).await.is_ok()
+            } else {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = \
+                     current_schema() AND table_name = 'sw_erasures' AND column_name = $1",
+                )
+                .bind(column)
+                .fetch_one(&self.control)
                 .await
-                .map_err(|e| LakeError::sql("add a column to sw_erasures", e))?;
+                .map_err(|e| LakeError::sql("read sw_erasures' columns", e))?
+                    > 0
+            };
+            if present {
                 continue;
             }
-            let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
-            if sqlx::query(&probe).execute(&self.control).await.is_err() {
-                let added = sqlx::query(&format!(
-                    "ALTER TABLE sw_erasures ADD COLUMN {column} BIGINT"
-                ))
-                .execute(&self.control)
-                .await;
-                // Another process may have added it meanwhile.
-                if let Err(e) = added
-                    && sqlx::query(&probe).execute(&self.control).await.is_err()
-                {
-                    return Err(LakeError::sql("add a column to sw_erasures", e));
-                }
+            let add = if self.config.is_sqlite() {
+                format!("ALTER TABLE sw_erasures ADD COLUMN {column} BIGINT")
+            } else {
+                format!("ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} BIGINT")
+            };
+            let added = sqlx::query(&add).execute(&self.control).await;
+            // Another process may have added it meanwhile.
+            if let Err(e) = added
+                && sqlx::query(&probe).execute(&self.control).await.is_err()
+            {
+                return Err(LakeError::sql("add a column to sw_erasures", e));
             }
         }
-        sqlx::query(
-            "CREATE INDEX IF NOT EXISTS sw_erasures_by_time ON sw_erasures (catalog_name, erased_ms)",
-        )
-        .execute(&self.control)
+        let indexed: i64 = if self.config.is_sqlite() {
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' \
+                 AND name = 'sw_erasures_by_time'",
+            )
+        } else {
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() \
+                 AND indexname = 'sw_erasures_by_time'",
+            )
+        }
+        .fetch_one(&self.control)
         .await
-        .map_err(|e| LakeError::sql("index sw_erasures", e))?;
+        .map_err(|e| LakeError::sql("look for sw_erasures' index", e))?;
+        if indexed == 0 {
+            sqlx::query(
+                "CREATE INDEX IF NOT EXISTS sw_erasures_by_time ON sw_erasures (catalog_name, erased_ms)",
+            )
+            .execute(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("index sw_erasures", e))?;
+        }
         if !self.config.is_sqlite() {
             // Made before, it held 4,000 characters: an erasure now counts a row per output
             // table of every namespace. (SQLite does not limit a VARCHAR.)

@@ -75,6 +75,9 @@ pub struct MaintenancePolicy {
     pub override_holds: bool,
     /// Snapshots kept only by holds from which [`Lake::held_history_warning`] warns.
     pub warn_held_snapshots: usize,
+    /// Expiry keeps this snapshot and every later one, whatever else applies (an
+    /// erasure's own snapshot: readers caught up at it or after it go on).
+    pub keep_from: Option<i64>,
 }
 
 /// Which snapshots expiry keeps: the newest `keep_last`, and every one younger than
@@ -110,6 +113,7 @@ impl Default for MaintenancePolicy {
             retention: None,
             override_holds: false,
             warn_held_snapshots: Self::DEFAULT_WARN_HELD_SNAPSHOTS,
+            keep_from: None,
         }
     }
 }
@@ -373,6 +377,7 @@ impl Lake {
                 chrono::Utc::now().timestamp_millis(),
                 policy.retention,
                 policy.override_holds,
+                policy.keep_from,
                 &mut report,
             )
             .await?;
@@ -865,6 +870,7 @@ impl Lake {
         now_ms: i64,
         retention: Option<Retention>,
         override_holds: bool,
+        keep_from: Option<i64>,
         report: &mut MaintenanceReport,
     ) -> Result<()> {
         for _ in 0..CONFLICT_ATTEMPTS {
@@ -906,11 +912,18 @@ impl Lake {
                 .filter(|s| held.contains(&s.snapshot_id()))
                 .map(|s| s.sequence_number())
                 .min();
+            let keep_from = keep_from
+                .and_then(|id| md.snapshot_by_id(id))
+                .map(|s| s.sequence_number());
             let mut remove = Vec::new();
             let mut kept_by_hold = 0;
             for (i, s) in all.iter().enumerate() {
                 let id = s.snapshot_id();
-                if id == current || i < min_keep || s.timestamp_ms() >= now_ms - max_age {
+                if id == current
+                    || i < min_keep
+                    || s.timestamp_ms() >= now_ms - max_age
+                    || keep_from.is_some_and(|seq| s.sequence_number() >= seq)
+                {
                     continue;
                 }
                 if oldest_held.is_some_and(|seq| s.sequence_number() >= seq) {
