@@ -243,6 +243,11 @@ impl PreparedReplace {
         for p in self.written.drain(..) {
             let _ = io.delete(&p).await;
         }
+        self.unprepare();
+    }
+
+    /// Forgets what was prepared for a snapshot (the written manifests' paths aside).
+    fn unprepare(&mut self) {
         self.rewritten.clear();
         self.added_manifest = None;
         self.snapshot_id = None;
@@ -260,10 +265,7 @@ impl PreparedReplace {
     fn forget_written(&mut self) {
         self.outcome_unknown = true;
         self.written.clear();
-        self.rewritten.clear();
-        self.added_manifest = None;
-        self.snapshot_id = None;
-        self.prepared_at = None;
+        self.unprepare();
     }
 
     /// After a commit that listed `listed`: what it listed is the table's now; the
