@@ -114,6 +114,8 @@ pub struct ErasureNotice {
     pub erasure_id: String,
     /// [`subject_digest`] of the subject.
     pub subject_sha256: String,
+    /// [`subject_digest`] of the customer id alone, whatever the erasure's scope.
+    pub customer_sha256: String,
     /// When it was recorded (ms).
     pub erased_ms: i64,
     /// The erased events' event times (µs, inclusive).
@@ -714,8 +716,8 @@ impl Lake {
         let (from, to) = report.event_time_range.unzip();
         sqlx::query(&self.control_sql(
             "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, \
-             requested_by, erased_ms, tables_json, event_from_us, event_to_us, completed_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+             requested_by, erased_ms, tables_json, event_from_us, event_to_us, completed_ms, \
+             customer_sha256) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         ))
         .bind(report.erasure_id.as_str())
         .bind(self.config().catalog_name.as_str())
@@ -727,6 +729,9 @@ impl Lake {
         .bind(from)
         .bind(to)
         .bind(completed.then_some(now))
+        // A job keyed by customer id alone mixes the tenants' customers of that id: its
+        // windows are the subject's whatever the tenant (see `names_subject`).
+        .bind(subject_digest(&request.customer_id, None))
         .execute(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("record the erasure", e))?;
@@ -737,10 +742,19 @@ impl Lake {
     /// leaves their subjects' windows over those times out of what it commits. (Times are
     /// the erasing host's clock: a reader asks from a margin before the newest it read.)
     pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
-        // Id, subject, time, and the event times (unknown when no event was erased).
-        type Row = (String, String, i64, Option<i64>, Option<i64>);
+        // Id, subject, time, the event times (unknown when no event was erased), and the
+        // customer id's digest alone (unknown in records made before it was kept).
+        type Row = (
+            String,
+            String,
+            i64,
+            Option<i64>,
+            Option<i64>,
+            Option<String>,
+        );
         let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
-            "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us \
+            "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us, \
+                 customer_sha256 \
                  FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 \
                  AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL ORDER BY erased_ms",
         ))
@@ -751,15 +765,18 @@ impl Lake {
         .map_err(|e| LakeError::sql("read the erasures", e))?;
         Ok(rows
             .into_iter()
-            .filter_map(|(erasure_id, subject_sha256, erased_ms, from, to)| {
-                Some(ErasureNotice {
-                    erasure_id,
-                    subject_sha256,
-                    erased_ms,
-                    event_from_us: from?,
-                    event_to_us: to?,
-                })
-            })
+            .filter_map(
+                |(erasure_id, subject_sha256, erased_ms, from, to, customer)| {
+                    Some(ErasureNotice {
+                        erasure_id,
+                        customer_sha256: customer.unwrap_or_else(|| subject_sha256.clone()),
+                        subject_sha256,
+                        erased_ms,
+                        event_from_us: from?,
+                        event_to_us: to?,
+                    })
+                },
+            )
             .collect())
     }
 }

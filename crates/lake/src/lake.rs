@@ -397,15 +397,21 @@ impl Lake {
              catalog_name VARCHAR(255) NOT NULL, subject_sha256 VARCHAR(64) NOT NULL, \
              reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
              erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL, \
-             event_from_us BIGINT, event_to_us BIGINT, completed_ms BIGINT)",
+             event_from_us BIGINT, event_to_us BIGINT, completed_ms BIGINT, \
+             customer_sha256 VARCHAR(64))",
         )
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
-        // Made before, it had no event range (running jobs read it to leave the erased
-        // windows out) and no mark of an erasure's end. Looked up first: DDL on
+        // Made before, it had no event range and no digest of the customer id alone (running
+        // jobs read them to leave the erased windows out) and no mark of an erasure's end. Looked up first: DDL on
         // PostgreSQL locks the table, and every command opens the lake.
-        for column in ["event_from_us", "event_to_us", "completed_ms"] {
+        for (column, kind) in [
+            ("event_from_us", "BIGINT"),
+            ("event_to_us", "BIGINT"),
+            ("completed_ms", "BIGINT"),
+            ("customer_sha256", "VARCHAR(64)"),
+        ] {
             let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
             let present = if self.config.is_sqlite() {
                 sqlx::query(&probe).execute(&self.control).await.is_ok()
@@ -424,9 +430,9 @@ impl Lake {
                 continue;
             }
             let add = if self.config.is_sqlite() {
-                format!("ALTER TABLE sw_erasures ADD COLUMN {column} BIGINT")
+                format!("ALTER TABLE sw_erasures ADD COLUMN {column} {kind}")
             } else {
-                format!("ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} BIGINT")
+                format!("ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} {kind}")
             };
             let added = sqlx::query(&add).execute(&self.control).await;
             // Another process may have added it meanwhile.

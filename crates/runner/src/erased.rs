@@ -113,22 +113,27 @@ impl ErasedWindows {
         })
     }
 
-    /// The notices naming `key`'s customer: by the digest of the customer id within the
-    /// key's tenant, or alone (an erasure of every tenant).
+    /// The notices naming `key`'s customer. With a tenant in the key: by the digest of
+    /// the customer id within it, or alone (an erasure of every tenant). Without one: any
+    /// erasure of that customer id, whatever its tenant, as `lake erase` judges such a key
+    /// (it mixes the tenants' customers of that id).
     fn naming(&self, key: &str) -> Vec<usize> {
         let parts = split_key(key);
         if parts.len() != self.parts {
             return Vec::new();
         }
         let customer = &parts[self.customer];
-        let scoped = self
-            .tenant
-            .map(|t| subject_digest(customer, Some(&parts[t])));
-        let everywhere = subject_digest(customer, None);
+        let alone = subject_digest(customer, None);
+        let Some(t) = self.tenant else {
+            return (0..self.notices.len())
+                .filter(|&i| self.notices[i].customer_sha256 == alone)
+                .collect();
+        };
+        let scoped = subject_digest(customer, Some(&parts[t]));
         (0..self.notices.len())
             .filter(|&i| {
                 let d = &self.notices[i].subject_sha256;
-                *d == everywhere || scoped.as_ref() == Some(d)
+                *d == alone || *d == scoped
             })
             .collect()
     }
@@ -206,12 +211,17 @@ mod tests {
     const MIN: i64 = 60_000_000;
 
     fn windows() -> ErasedWindows {
-        let spec =
-            JobSpec::from_toml(include_str!("../../../jobs/customer_features.toml")).unwrap();
+        windows_of(include_str!("../../../jobs/customer_features.toml"))
+    }
+
+    /// The job of `spec`, with a tenant-scoped erasure of customer `c|1` of `t-0`.
+    fn windows_of(spec: &str) -> ErasedWindows {
+        let spec = JobSpec::from_toml(spec).unwrap();
         let mut w = ErasedWindows::new(&spec).unwrap();
         w.notices.push(ErasureNotice {
             erasure_id: "erase-1".into(),
             subject_sha256: subject_digest("c|1", Some("t-0")),
+            customer_sha256: subject_digest("c|1", None),
             erased_ms: 1,
             event_from_us: 100 * MIN,
             event_to_us: 105 * MIN,
@@ -290,5 +300,18 @@ mod tests {
         assert_eq!(w.late(&rows).len(), 1);
         w.expire(settled + 1);
         assert!(matches!(w.late(&rows), Cow::Borrowed(_)));
+    }
+
+    /// A job keyed by customer id alone mixes the tenants' customers of that id: a
+    /// tenant-scoped erasure leaves its windows of that id out, as `lake erase` removes
+    /// them.
+    #[test]
+    fn a_scoped_erasure_reaches_a_job_keyed_by_customer_alone() {
+        let mut w = windows_of(include_str!(
+            "../../../jobs/versions/customer_features.v1.toml"
+        ));
+        assert!(w.erased_window(&signalweave_model::join_key(&["c|1"]), 100 * MIN, 110 * MIN));
+        assert!(!w.erased_window("c-2", 100 * MIN, 110 * MIN));
+        assert!(!w.erased_window(&signalweave_model::join_key(&["c|1"]), 106 * MIN, 116 * MIN));
     }
 }
