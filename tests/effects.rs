@@ -1004,11 +1004,10 @@ fn an_erasure_takes_the_customer_from_outputs_and_effects() {
         String::from_utf8_lossy(&stuck.stderr).contains("--skip-expired"),
         "{stuck:?}"
     );
-    let skipped = ok(run_effects(&lake, &spec, &sink.url)
+    ok(run_effects(&lake, &spec, &sink.url)
         .arg("--skip-expired")
         .output()
         .unwrap());
-    let _ = skipped;
     ok(run_effects(&lake, &spec, &sink.url).output().unwrap());
     sink.stop();
     assert_eq!(plain("SELECT COUNT(*) FROM sw_effects"), all_effects);

@@ -403,84 +403,7 @@ impl Lake {
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_erasures", e))?;
-        // Made before, it had no event range and no digest of the customer id alone (running
-        // jobs read them to leave the erased windows out) and no mark of an erasure's end. Looked up first: DDL on
-        // PostgreSQL locks the table, and every command opens the lake.
-        for (column, kind) in [
-            ("event_from_us", "BIGINT"),
-            ("event_to_us", "BIGINT"),
-            ("completed_ms", "BIGINT"),
-            ("customer_sha256", "VARCHAR(64)"),
-        ] {
-            let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
-            let present = if self.config.is_sqlite() {
-                sqlx::query(&probe).execute(&self.control).await.is_ok()
-            } else {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = \
-                     current_schema() AND table_name = 'sw_erasures' AND column_name = $1",
-                )
-                .bind(column)
-                .fetch_one(&self.control)
-                .await
-                .map_err(|e| LakeError::sql("read sw_erasures' columns", e))?
-                    > 0
-            };
-            if present {
-                continue;
-            }
-            let add = if self.config.is_sqlite() {
-                format!("ALTER TABLE sw_erasures ADD COLUMN {column} {kind}")
-            } else {
-                format!("ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} {kind}")
-            };
-            let added = sqlx::query(&add).execute(&self.control).await;
-            // Another process may have added it meanwhile.
-            if let Err(e) = added
-                && sqlx::query(&probe).execute(&self.control).await.is_err()
-            {
-                return Err(LakeError::sql("add a column to sw_erasures", e));
-            }
-        }
-        let indexed: i64 = if self.config.is_sqlite() {
-            sqlx::query_scalar(
-                "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' \
-                 AND name = 'sw_erasures_by_time'",
-            )
-        } else {
-            sqlx::query_scalar(
-                "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() \
-                 AND indexname = 'sw_erasures_by_time'",
-            )
-        }
-        .fetch_one(&self.control)
-        .await
-        .map_err(|e| LakeError::sql("look for sw_erasures' index", e))?;
-        if indexed == 0 {
-            sqlx::query(
-                "CREATE INDEX IF NOT EXISTS sw_erasures_by_time ON sw_erasures (catalog_name, erased_ms)",
-            )
-            .execute(&self.control)
-            .await
-            .map_err(|e| LakeError::sql("index sw_erasures", e))?;
-        }
-        if !self.config.is_sqlite() {
-            // Made before, it held 4,000 characters: an erasure now counts a row per output
-            // table of every namespace. (SQLite does not limit a VARCHAR.)
-            let narrow: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = current_schema() \
-                 AND table_name = 'sw_erasures' AND column_name = 'tables_json' AND data_type <> 'text'",
-            )
-            .fetch_one(&self.control)
-            .await
-            .map_err(|e| LakeError::sql("read sw_erasures' columns", e))?;
-            if narrow > 0 {
-                sqlx::query("ALTER TABLE sw_erasures ALTER COLUMN tables_json TYPE TEXT")
-                    .execute(&self.control)
-                    .await
-                    .map_err(|e| LakeError::sql("widen sw_erasures.tables_json", e))?;
-            }
-        }
+        self.migrate_erasures().await?;
         let ns = NamespaceIdent::new(NAMESPACE.to_string());
         let exists = self
             .catalog
@@ -626,6 +549,79 @@ impl Lake {
             }
         }
         Ok(out)
+    }
+
+    /// Brings an `sw_erasures` made by an earlier version up to date: it had no event
+    /// range and no digest of the customer id alone (running jobs read them to leave the
+    /// erased windows out), no mark of an erasure's end, and on PostgreSQL a `tables_json`
+    /// of 4,000 characters (an erasure now counts a row per output table of every
+    /// namespace; SQLite does not limit a VARCHAR). The columns are read first, in one
+    /// query: every command opens the lake, and DDL on PostgreSQL locks the table.
+    async fn migrate_erasures(&self) -> Result<()> {
+        let sqlite = self.config.is_sqlite();
+        let columns: Vec<(String, String)> = sqlx::query_as(if sqlite {
+            "SELECT name, type FROM pragma_table_info('sw_erasures')"
+        } else {
+            "SELECT CAST(column_name AS TEXT), CAST(data_type AS TEXT) FROM information_schema.columns \
+             WHERE table_schema = current_schema() AND table_name = 'sw_erasures'"
+        })
+        .fetch_all(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("read sw_erasures' columns", e))?;
+        let type_of = |name: &str| {
+            columns
+                .iter()
+                .find(|(c, _)| c.eq_ignore_ascii_case(name))
+                .map(|(_, t)| t.to_ascii_lowercase())
+        };
+        for (column, kind) in [
+            ("event_from_us", "BIGINT"),
+            ("event_to_us", "BIGINT"),
+            ("completed_ms", "BIGINT"),
+            ("customer_sha256", "VARCHAR(64)"),
+        ] {
+            if type_of(column).is_some() {
+                continue;
+            }
+            let add = if sqlite {
+                format!("ALTER TABLE sw_erasures ADD COLUMN {column} {kind}")
+            } else {
+                format!("ALTER TABLE sw_erasures ADD COLUMN IF NOT EXISTS {column} {kind}")
+            };
+            let added = sqlx::query(&add).execute(&self.control).await;
+            // Another process may have added it meanwhile.
+            let probe = format!("SELECT {column} FROM sw_erasures WHERE 1 = 0");
+            if let Err(e) = added
+                && sqlx::query(&probe).execute(&self.control).await.is_err()
+            {
+                return Err(LakeError::sql("add a column to sw_erasures", e));
+            }
+        }
+        if !sqlite && type_of("tables_json").is_some_and(|t| t != "text") {
+            sqlx::query("ALTER TABLE sw_erasures ALTER COLUMN tables_json TYPE TEXT")
+                .execute(&self.control)
+                .await
+                .map_err(|e| LakeError::sql("widen sw_erasures.tables_json", e))?;
+        }
+        let indexed: i64 = sqlx::query_scalar(if sqlite {
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' \
+             AND name = 'sw_erasures_by_time'"
+        } else {
+            "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() \
+             AND indexname = 'sw_erasures_by_time'"
+        })
+        .fetch_one(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("look for sw_erasures' index", e))?;
+        if indexed == 0 {
+            sqlx::query(
+                "CREATE INDEX IF NOT EXISTS sw_erasures_by_time ON sw_erasures (catalog_name, erased_ms)",
+            )
+            .execute(&self.control)
+            .await
+            .map_err(|e| LakeError::sql("index sw_erasures", e))?;
+        }
+        Ok(())
     }
 
     /// Loads a built-in table's current metadata.

@@ -821,7 +821,9 @@ impl LiveJob {
         .collect();
         let mut out_snapshot = None;
         self.committed_outputs = 0;
-        if !checkpoint.outputs.is_empty() {
+        let batch = if checkpoint.outputs.is_empty() {
+            None
+        } else {
             let batch = checkpoint.outputs.to_batch(
                 &self.spec,
                 &self.config.namespace,
@@ -832,17 +834,13 @@ impl LiveJob {
                 batch.columns().to_vec(),
             )
             .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
-            let batch = match self.erased.as_mut() {
+            // None when every row was an erased window's: nothing to commit.
+            match self.erased.as_mut() {
                 Some(erased) => erased.outputs(batch)?,
                 None => Some(batch),
-            };
-            // Every row was an erased window's: nothing to commit.
-            let Some(batch) = batch else {
-                return self
-                    .commit_late(checkpoint, summary)
-                    .await
-                    .map(|l| (None, l));
-            };
+            }
+        };
+        if let Some(batch) = batch {
             let identity = CommitIdentity::new(self.sink_writer(), checkpoint.epoch);
             if fresh
                 && self.config.fault
