@@ -845,3 +845,177 @@ fn backfills_run_on_s3_with_sqlite_and_postgresql_catalogs() {
         eprintln!("{}: ok", b.name);
     }
 }
+
+/// The status of `job`'s backfill in `namespace`.
+fn status_of(lake: &Path, job: &str, namespace: &str) -> Value {
+    let out = ok(sw(lake)
+        .args(["backfill", "status", "--job", job, "--namespace", namespace])
+        .args(["--format", "json"])
+        .output()
+        .unwrap());
+    let mut v: Vec<Value> = serde_json::from_str(&out).unwrap();
+    v.remove(0)
+}
+
+#[test]
+fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    // 50 minutes of events.
+    land_history_in(&lake, dir.path(), 6_000, false);
+    let to = "2026-01-01T00:45:00Z";
+    let features = |namespace: &str, extra: &[&str]| {
+        let mut c = sw(&lake);
+        c.args(["backfill", "start", "--job", "customer_features"])
+            .args(["--from", FROM, "--to", to, "--namespace", namespace])
+            .args(["--slice", "15m", "--quiet"])
+            .args(extra);
+        c
+    };
+    // Planned (its snapshot pinned) before the erasure, run after it.
+    ok(features("resumed", &["--detach"]).output().unwrap());
+    let pinned =
+        status_of(&lake, "customer_features", "resumed")["backfill"]["snapshot_id"].clone();
+    assert!(pinned.is_i64(), "{pinned}");
+    // The subject: the customer with the most orders in the first sub-range.
+    let subject = sql(
+        &lake,
+        &format!(
+            "select tenant, customer_id, count(*) n from signalweave.events \
+             where event_type = 'order_placed' and event_time >= '{FROM}' \
+             and event_time < '2026-01-01T00:15:00Z' \
+             group by tenant, customer_id order by n desc, customer_id limit 1"
+        ),
+    );
+    let (tenant, customer) = (
+        subject[0]["tenant"].as_str().unwrap().to_string(),
+        subject[0]["customer_id"].as_str().unwrap().to_string(),
+    );
+    let key = signalweave_model::join_key(&[tenant.as_str(), customer.as_str()]);
+    // Running: its first sub-range read, and waiting for its rows budget, when the
+    // erasure comes.
+    let metrics_port = support::free_port();
+    let mut running = Proc::spawn(features(
+        "running",
+        &[
+            "--write-rows-per-sec",
+            "400",
+            "--parallelism",
+            "1",
+            "--metrics-addr",
+            &format!("127.0.0.1:{metrics_port}"),
+        ],
+    ));
+    let throttled = || {
+        get(&format!("http://127.0.0.1:{metrics_port}/metrics"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                l.starts_with("signalweave_backfill_stage_seconds_total{")
+                    && l.contains("stage=\"throttled\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    wait_until(
+        "the first sub-range waiting for its rows budget",
+        Duration::from_secs(60),
+        || throttled() > 0.5,
+    );
+    let erased = sw(&lake)
+        .args([
+            "lake",
+            "erase",
+            "--customer-id",
+            &customer,
+            "--tenant",
+            &tenant,
+        ])
+        .args(["--reason", "a ticket"])
+        .output()
+        .unwrap();
+    ok(erased.clone());
+    let said = String::from_utf8_lossy(&erased.stderr);
+    assert!(
+        said.contains("Backfills not finished") && said.contains("customer_features (running"),
+        "{said}"
+    );
+    let done = |s: &Value| {
+        s["subranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["state"] == "done")
+            .count()
+    };
+    let s = status_of(&lake, "customer_features", "running");
+    assert_eq!(
+        done(&s),
+        0,
+        "the first sub-range was to commit after the erasure (raise its rows' wait): {s}"
+    );
+    assert_eq!(
+        running.wait_exit(Duration::from_secs(120), "the running backfill"),
+        Some(0)
+    );
+    let log = running.log();
+    assert!(
+        log.contains("reads the landing table's current snapshot from here on"),
+        "{log}"
+    );
+    ok(sw(&lake)
+        .args([
+            "backfill",
+            "resume",
+            "--job",
+            "customer_features",
+            "--namespace",
+            "resumed",
+        ])
+        .output()
+        .unwrap());
+    // Planned after the erasure.
+    ok(features("after", &[]).output().unwrap());
+
+    for ns in ["running", "resumed", "after"] {
+        let s = status_of(&lake, "customer_features", ns);
+        assert_eq!(
+            (s["backfill"]["state"].as_str(), done(&s)),
+            (Some("completed"), 3),
+            "{s}"
+        );
+        assert_ne!(s["backfill"]["snapshot_id"], pinned, "{ns} moved on: {s}");
+        assert_eq!(
+            count(
+                &lake,
+                &format!(
+                    "select count(*) from signalweave.customer_features__bf_{ns} \
+                     where key = '{}'",
+                    key.replace('\'', "''")
+                )
+            ),
+            0,
+            "{ns} holds none of the subject's windows"
+        );
+    }
+    // Read from the snapshot the erasure left, the resumed backfill equals one planned
+    // after it; so do the running one's later sub-ranges.
+    let rows = |ns: &str, from: &str| {
+        sql(
+            &lake,
+            &format!(
+                "select key, cast(window_start as varchar) s, cast(window_end as varchar) e, \
+                 output_version, completeness, order_count, amount_minor_sum, amount_minor_max \
+                 from signalweave.customer_features__bf_{ns} where window_end > '{from}' \
+                 order by key, s, output_version"
+            ),
+        )
+    };
+    let after = rows("after", FROM);
+    assert!(after.len() > 1_000, "{}", after.len());
+    assert_eq!(rows("resumed", FROM), after);
+    assert_eq!(
+        rows("running", "2026-01-01T00:15:00Z"),
+        rows("after", "2026-01-01T00:15:00Z")
+    );
+}

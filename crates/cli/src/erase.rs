@@ -76,8 +76,9 @@ pub async fn run(
     // the lake's part found is printed even when the ledger's fails.
     let ledger = erase_effects(lake, &request, &notifications, &mut report).await;
     print(&report, jobs_dir, format)?;
-    // A backfill not finished read (or will read, from the snapshot it took) events of
-    // before the erasure.
+    // A backfill not finished moves to the erased snapshot before its next sub-range, and
+    // leaves the subject's windows out of what it commits; what a sub-range read before
+    // the erasure adds to aggregates not keyed by the customer still counts the events.
     let unfinished: Vec<String> = signalweave_runner::backfill::BackfillStore::open(lake.clone())
         .await?
         .list()
@@ -88,8 +89,10 @@ pub async fn run(
         .collect();
     if !unfinished.is_empty() {
         eprintln!(
-            "Backfills not finished: {}. They may write outputs that count the erased events: \
-             run this erasure again once they are done.",
+            "Backfills not finished: {}. Each reads the landing table as the erasure left it \
+             from its next sub-range on (a paused one when it resumes), and leaves the \
+             subject's windows out of what it commits. A sub-range it was reading meanwhile \
+             still counts the erased events in aggregates not keyed by customer.",
             unfinished.join(", ")
         );
     }

@@ -106,6 +106,20 @@ pub fn subject_digest(customer_id: &str, tenant: Option<&str>) -> String {
     }
 }
 
+/// The snapshot of `events` an erasure's `tables_json` names, if any.
+fn events_snapshot(tables_json: &str) -> Option<i64> {
+    #[derive(serde::Deserialize)]
+    struct Table {
+        table: String,
+        snapshot_id: Option<i64>,
+    }
+    serde_json::from_str::<Vec<Table>>(tables_json)
+        .ok()?
+        .into_iter()
+        .find(|t| t.table == LakeTable::Events.name())?
+        .snapshot_id
+}
+
 /// An erasure as a running job reads it: whose windows over which event times to leave
 /// out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +136,10 @@ pub struct ErasureNotice {
     pub event_from_us: i64,
     /// See `event_from_us`.
     pub event_to_us: i64,
+    /// The snapshot of `events` that removed the subject's events (None when the erasure
+    /// found them in older snapshots only, after a run stopped past its rewrite). A reader
+    /// pinned to an earlier snapshot still sees them.
+    pub events_snapshot_id: Option<i64>,
 }
 
 /// What one table lost.
@@ -742,8 +760,9 @@ impl Lake {
     /// leaves their subjects' windows over those times out of what it commits. (Times are
     /// the erasing host's clock: a reader asks from a margin before the newest it read.)
     pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
-        // Id, subject, time, the event times (unknown when no event was erased), and the
-        // customer id's digest alone (unknown in records made before it was kept).
+        // Id, subject, time, the event times (unknown when no event was erased), the
+        // customer id's digest alone (unknown in records made before it was kept), and
+        // what each table lost.
         type Row = (
             String,
             String,
@@ -751,10 +770,11 @@ impl Lake {
             Option<i64>,
             Option<i64>,
             Option<String>,
+            Option<String>,
         );
         let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
             "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us, \
-                 customer_sha256 \
+                 customer_sha256, tables_json \
                  FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 \
                  AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL ORDER BY erased_ms",
         ))
@@ -766,7 +786,7 @@ impl Lake {
         Ok(rows
             .into_iter()
             .filter_map(
-                |(erasure_id, subject_sha256, erased_ms, from, to, customer)| {
+                |(erasure_id, subject_sha256, erased_ms, from, to, customer, tables)| {
                     Some(ErasureNotice {
                         erasure_id,
                         customer_sha256: customer.unwrap_or_else(|| subject_sha256.clone()),
@@ -774,6 +794,7 @@ impl Lake {
                         erased_ms,
                         event_from_us: from?,
                         event_to_us: to?,
+                        events_snapshot_id: tables.as_deref().and_then(events_snapshot),
                     })
                 },
             )
@@ -797,6 +818,33 @@ mod tests {
             lateness_us: 0,
             span_us: 0,
         }
+    }
+
+    #[test]
+    fn a_record_names_the_snapshot_that_removed_the_events() {
+        let report = ErasureReport {
+            tables: vec![
+                TableErasure {
+                    table: "late_events".into(),
+                    snapshot_id: Some(7),
+                    ..Default::default()
+                },
+                TableErasure {
+                    table: "events".into(),
+                    rows: 3,
+                    files_rewritten: 1,
+                    snapshot_id: Some(42),
+                },
+            ],
+            ..Default::default()
+        };
+        let json = serde_json::to_string(&report.tables).unwrap();
+        assert_eq!(events_snapshot(&json), Some(42));
+        // Found in older snapshots only, by a run after one stopped past its rewrite.
+        let none = r#"[{"table":"events","rows":0,"files_rewritten":0,"snapshot_id":null}]"#;
+        assert_eq!(events_snapshot(none), None);
+        assert_eq!(events_snapshot("[]"), None);
+        assert_eq!(events_snapshot("not json"), None);
     }
 
     #[test]

@@ -61,13 +61,25 @@
 //! sub-range that exist are recognised by their identity and skipped, so no version is
 //! written twice.
 //!
+//! # Erasures
+//!
+//! `lake erase` expires every snapshot before its own, whatever holds it, so the pinned
+//! snapshot of a backfill running across an erasure loses its files, and until then still
+//! holds the erased events. Before each sub-range, and when it resumes, a backfill reads
+//! the erasures recorded since it began (`sw_erasures`); one its snapshot predates moves
+//! it to the landing table's current snapshot, held and recorded in its place (see
+//! [`Pin`]). A sub-range read from the older snapshot leaves the erased customer's windows
+//! out of its commit, as a live job does ([`ErasedWindows`]); one whose reading failed
+//! meanwhile is read again from the new snapshot. What such a sub-range committed of an
+//! aggregate not keyed by customer still counts the erased events.
+//!
 //! # Budgets and live priority
 //!
 //! Records, bytes read and rows written pass token buckets ([`crate::budget`]); the
 //! controller reads the live job's guards and cuts the records budget to its floor when
 //! one crosses, then borrows back gradually.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -77,7 +89,9 @@ use futures::TryStreamExt;
 use futures::future::BoxFuture;
 use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
-use signalweave_lake::{CommitIdentity, Lake, LakeTable};
+use signalweave_lake::{
+    ArrivalWatermarks, CommitIdentity, ErasureNotice, FileSpans, Lake, LakeTable,
+};
 use signalweave_model::ErrorKind;
 use signalweave_window::{
     Completeness, Emissions, EngineConfig, JobSpec, WindowEngine, WindowSpec,
@@ -85,6 +99,7 @@ use signalweave_window::{
 use sqlx::Row;
 
 use crate::budget::{Budgets, Controller, GuardReading, Guards, Operator, Throttle};
+use crate::erased::ErasedWindows;
 use crate::error::{Result, RunnerError};
 use crate::late::{self, LateEvent};
 use crate::live::{SUMMARY_JOB, SUMMARY_NAMESPACE, backfill_output_table};
@@ -604,6 +619,22 @@ impl BackfillStore {
         .await
     }
 
+    /// Records that the backfill now reads `snapshot_id` of the landing table.
+    async fn set_snapshot(
+        &self,
+        job: &str,
+        namespace: &str,
+        snapshot_id: Option<i64>,
+    ) -> Result<()> {
+        self.update(
+            job,
+            namespace,
+            "snapshot_id = $4, updated_ms = $5",
+            vec![Value::Int(snapshot_id), Value::Int(Some(now_ms()))],
+        )
+        .await
+    }
+
     /// Takes the runner lease: free, held by `runner`, or with a heartbeat older than
     /// `stale`. Returns false when another live runner holds it.
     async fn acquire(
@@ -1100,7 +1131,143 @@ const PAUSE: u8 = 1;
 const ABORT: u8 = 2;
 const LOST: u8 = 3;
 
+/// How long before a backfill began an erasure may be recorded and still be judged
+/// against its snapshot (ms): erasures are timed by the erasing host's clock.
+const ERASURE_MARGIN_MS: i64 = 10 * 60 * 1000;
+
+/// The landing-table snapshot a backfill reads, and what its files' statistics tell of
+/// its records' arrivals and event times (see "Erasures" in the module docs).
+#[derive(Debug)]
+struct Pin {
+    /// None: the table was empty when the backfill was planned.
+    snapshot_id: Option<i64>,
+    arrivals: Arc<ArrivalWatermarks>,
+    spans: Arc<FileSpans>,
+    /// The erasures whose events the snapshot does not hold.
+    reflected: HashSet<String>,
+}
+
+impl Pin {
+    /// `snapshot_id` of the landing table, its files' statistics read for `spec`: the
+    /// live watermark at each arrival, and each file's span of event time (to estimate a
+    /// sub-range's records before reading). A file is null-free when none of its records
+    /// lacks a key (one that does is late, and reported with its arrival time).
+    async fn read(
+        lake: &Lake,
+        spec: &JobSpec,
+        snapshot_id: Option<i64>,
+        reflected: HashSet<String>,
+    ) -> Result<Self> {
+        let keys: Vec<&str> = spec.key.columns.iter().map(String::as_str).collect();
+        let (arrivals, spans) = lake
+            .file_statistics(
+                LakeTable::Events,
+                snapshot_id,
+                &spec.time.event_time_column,
+                ARRIVAL_COLUMN,
+                signalweave_window::micros(spec.time.max_out_of_orderness),
+                &keys,
+            )
+            .await?;
+        Ok(Self {
+            snapshot_id,
+            arrivals: Arc::new(arrivals),
+            spans: Arc::new(spans),
+            reflected,
+        })
+    }
+}
+
+/// Whether the landing table's snapshot `pinned` still holds events one of `erasures`
+/// removed: it is gone (an erasure expires every snapshot before its own), or one of them
+/// removed them at a later snapshot.
+async fn predates(lake: &Lake, pinned: Option<i64>, erasures: &[ErasureNotice]) -> Result<bool> {
+    // Planned on an empty table: the backfill reads nothing.
+    let Some(pinned) = pinned else {
+        return Ok(false);
+    };
+    let events = lake.table(LakeTable::Events).await?;
+    let metadata = events.metadata();
+    let Some(pin) = metadata.snapshot_by_id(pinned) else {
+        return Ok(true);
+    };
+    Ok(erasures.iter().any(|n| {
+        n.events_snapshot_id
+            .and_then(|s| metadata.snapshot_by_id(s))
+            .is_some_and(|s| s.sequence_number() > pin.sequence_number())
+    }))
+}
+
+/// The pin `record`'s backfill reads from now on: `current` (None: the recorded snapshot,
+/// its statistics not read yet), with the erasures recorded since the backfill began
+/// judged. When one removed events the pinned snapshot holds, the landing table's current
+/// snapshot instead (an erasure records itself after its rewrite, so the current snapshot
+/// lacks those events), held and recorded in the old one's place.
+async fn settle_pin(
+    lake: &Lake,
+    store: &BackfillStore,
+    spec: &JobSpec,
+    record: &BackfillRecord,
+    current: Option<Arc<Pin>>,
+) -> Result<Arc<Pin>> {
+    let mut reflected = current
+        .as_ref()
+        .map(|p| p.reflected.clone())
+        .unwrap_or_default();
+    let erasures: Vec<ErasureNotice> = lake
+        .erasures_after(record.created_ms.saturating_sub(ERASURE_MARGIN_MS))
+        .await?
+        .into_iter()
+        .filter(|n| !reflected.contains(&n.erasure_id))
+        .collect();
+    let pinned = current
+        .as_ref()
+        .map_or(record.snapshot_id, |p| p.snapshot_id);
+    if let Some(current) = current.as_ref().filter(|_| erasures.is_empty()) {
+        return Ok(Arc::clone(current));
+    }
+    reflected.extend(erasures.iter().map(|n| n.erasure_id.clone()));
+    // Only an erasure moves a backfill to another snapshot: its input is otherwise fixed.
+    if erasures.is_empty() || !predates(lake, pinned, &erasures).await? {
+        return Ok(Arc::new(match current {
+            Some(c) => Pin {
+                snapshot_id: c.snapshot_id,
+                arrivals: Arc::clone(&c.arrivals),
+                spans: Arc::clone(&c.spans),
+                reflected,
+            },
+            None => Pin::read(lake, spec, pinned, reflected).await?,
+        }));
+    }
+    let now = lake
+        .table(LakeTable::Events)
+        .await?
+        .metadata()
+        .current_snapshot()
+        .map(|s| s.snapshot_id());
+    let pin = Pin::read(lake, spec, now, reflected).await?;
+    if let Some(s) = now {
+        lake.hold_snapshot(LakeTable::Events, &record.holder(), s)
+            .await?;
+    }
+    store
+        .set_snapshot(&record.job, &record.namespace, now)
+        .await?;
+    let ids: Vec<&str> = erasures.iter().map(|n| n.erasure_id.as_str()).collect();
+    tracing::warn!(
+        job = %record.job,
+        namespace = %record.namespace,
+        from = ?pinned,
+        to = ?now,
+        erasures = ?ids,
+        "an erasure removed events of the backfill's snapshot: it reads the landing table's current snapshot from here on"
+    );
+    Ok(Arc::new(pin))
+}
+
 struct SubRangeOutput {
+    /// What it was read from.
+    pin: Arc<Pin>,
     rows: Emissions,
     late: Vec<LateEvent>,
     figures: SubRange,
@@ -1224,22 +1391,6 @@ pub async fn run(
             ),
         ));
     }
-    // The live watermark at each arrival, and each file's span of event time (to
-    // estimate a sub-range's records before reading), from the pinned snapshot's file
-    // statistics; a file is null-free when none of its records lacks a key (one that
-    // does is late, and reported with its arrival time).
-    let keys: Vec<&str> = spec.key.columns.iter().map(String::as_str).collect();
-    let (arrivals, spans) = lake
-        .file_statistics(
-            LakeTable::Events,
-            record.snapshot_id,
-            &spec.time.event_time_column,
-            ARRIVAL_COLUMN,
-            signalweave_window::micros(spec.time.max_out_of_orderness),
-            &keys,
-        )
-        .await?;
-    let (arrivals, spans) = (Arc::new(arrivals), Arc::new(spans));
     let runner = format!("{}:{}", std::process::id(), uuid::Uuid::new_v4().simple());
     if !store
         .acquire(&spec.name, namespace, &runner, LEASE_STALE)
@@ -1267,6 +1418,15 @@ pub async fn run(
     if record.desired == "pause" && record.state != "running" {
         store.set_desired(&spec.name, namespace, "run").await?;
     }
+    // The snapshot to read: the pinned one, unless an erasure has removed events from it
+    // since (and expired it).
+    let pin = match settle_pin(lake, &store, &spec, &record, None).await {
+        Ok(pin) => pin,
+        Err(e) => {
+            store.release(&spec.name, namespace, &runner).await?;
+            return Err(e);
+        }
+    };
     let throttle = Arc::new(Throttle::new(&record.budgets));
     // Nothing is admitted before the controller's first reading of the live job's guards
     // (see `Controller::new`).
@@ -1288,8 +1448,7 @@ pub async fn run(
         stop_rx,
     ));
     let backfill = Running {
-        arrivals,
-        spans,
+        pin: Arc::new(tokio::sync::Mutex::new(pin)),
         lake: lake.clone(),
         spec,
         store: store.clone(),
@@ -1475,8 +1634,8 @@ impl Drop for AbortOnDrop {
 #[derive(Clone)]
 struct Running {
     lake: Lake,
-    arrivals: Arc<signalweave_lake::ArrivalWatermarks>,
-    spans: Arc<signalweave_lake::FileSpans>,
+    /// What sub-ranges read from now (see [`Pin`]).
+    pin: Arc<tokio::sync::Mutex<Arc<Pin>>>,
     spec: Arc<JobSpec>,
     store: BackfillStore,
     record: BackfillRecord,
@@ -1499,6 +1658,22 @@ impl Running {
             "backfill-late:{}:{}",
             self.record.job, self.record.namespace
         )
+    }
+
+    /// The pin the next sub-range reads from, with the erasures recorded since judged
+    /// (see [`settle_pin`]).
+    async fn current_pin(&self) -> Result<Arc<Pin>> {
+        let mut pin = self.pin.lock().await;
+        let settled = settle_pin(
+            &self.lake,
+            &self.store,
+            &self.spec,
+            &self.record,
+            Some(Arc::clone(&pin)),
+        )
+        .await?;
+        *pin = Arc::clone(&settled);
+        Ok(settled)
     }
 
     /// Obeys the operator between batches: returns Ok(false) on abort, waits while paused.
@@ -1620,7 +1795,21 @@ impl Running {
         let (job, ns) = (&self.record.job, &self.record.namespace);
         let output = self.record.output_table(&self.spec)?;
         let started = Instant::now();
-        let Some(mut out) = self.process(&sub).await? else {
+        let pin = self.current_pin().await?;
+        let processed = match self.process(&sub, &pin).await {
+            // An erasure may have expired the snapshot while it was read, and deleted its
+            // files: the sub-range is read again from the snapshot the erasure left.
+            Err(e) => {
+                let now = self.current_pin().await?;
+                if now.snapshot_id == pin.snapshot_id {
+                    return Err(e);
+                }
+                tracing::warn!(job = %job, namespace = %ns, seq = sub.seq, error = %e, "reading the sub-range again from the snapshot an erasure left");
+                self.process(&sub, &now).await?
+            }
+            done => done?,
+        };
+        let Some(mut out) = processed else {
             return Ok(false);
         };
         drop(processing);
@@ -1634,7 +1823,7 @@ impl Running {
         // is what its budgets allowed.
         out.figures.seconds = started.elapsed().as_secs_f64();
         let committing = Instant::now();
-        let out_snapshot = self.commit(output, &sub, &out).await?;
+        let out_snapshot = self.commit(output, &sub, &mut out).await?;
         let commit = committing.elapsed();
         let m = &self.options.metrics;
         stage_counter(m, &self.labels, STAGE_NAMES[3]).inc_by(commit.as_secs_f64());
@@ -1661,12 +1850,12 @@ impl Running {
         m.subranges_done.get_or_create(&self.labels).inc();
         m.rows_written
             .get_or_create(&self.labels)
-            .inc_by(out.rows.len() as u64);
+            .inc_by(out.figures.rows_written);
         if let Ok(mut p) = self.options.progress.lock() {
             p.done += 1;
-            p.rows_written += out.rows.len() as u64;
+            p.rows_written += out.figures.rows_written;
         }
-        tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.rows.len(), late = out.late.len(), seconds = out.figures.seconds, read_s = stages.spent(Stage::Read).as_secs_f64(), engine_s = stages.spent(Stage::Engine).as_secs_f64(), throttled_s = stages.spent(Stage::Throttled).as_secs_f64(), commit_s = commit.as_secs_f64(), "backfill sub-range done");
+        tracing::info!(job = %job, namespace = %ns, seq = sub.seq, records = out.figures.records, rows = out.figures.rows_written, late = out.figures.late, seconds = out.figures.seconds, read_s = stages.spent(Stage::Read).as_secs_f64(), engine_s = stages.spent(Stage::Engine).as_secs_f64(), throttled_s = stages.spent(Stage::Throttled).as_secs_f64(), commit_s = commit.as_secs_f64(), "backfill sub-range done");
         Ok(true)
     }
 
@@ -1679,15 +1868,15 @@ impl Running {
     /// the reading started and events exist before that: such a session may have begun
     /// earlier. It ends when every session it owns is known to start where it does, so its
     /// sessions are those of the live job, whatever their length.
-    async fn process(&self, sub: &SubRange) -> Result<Option<SubRangeOutput>> {
+    async fn process(&self, sub: &SubRange, pin: &Arc<Pin>) -> Result<Option<SubRangeOutput>> {
         let lead_in = self.record.lead_in_us;
         let mut read_from = sub.from_us.saturating_sub(lead_in);
         let WindowSpec::Session { gap } = self.spec.window else {
-            return self.process_from(sub, read_from).await;
+            return self.process_from(sub, read_from, pin).await;
         };
         let gap = signalweave_window::micros(gap);
         loop {
-            let Some(out) = self.process_from(sub, read_from).await? else {
+            let Some(out) = self.process_from(sub, read_from, pin).await? else {
                 return Ok(None);
             };
             // The earliest session that might have begun before the events read.
@@ -1702,7 +1891,7 @@ impl Running {
                 return Ok(Some(out));
             };
             let before = self
-                .plan_events(unproven.saturating_sub(gap), read_from, None)
+                .plan_events(pin, unproven.saturating_sub(gap), read_from, None)
                 .await?
                 .tasks;
             if before.is_empty() {
@@ -1728,16 +1917,17 @@ impl Running {
         }
     }
 
-    /// The landing table's files with events in `[from, to)` of the pinned snapshot, read
-    /// for `columns` (all when None).
+    /// The landing table's files with events in `[from, to)` of `pin`'s snapshot, read for
+    /// `columns` (all when None).
     async fn plan_events(
         &self,
+        pin: &Pin,
         from: i64,
         to: i64,
         columns: Option<&[String]>,
     ) -> Result<signalweave_lake::ScanPlan> {
         // A backfill planned on an empty landing table has no input.
-        if self.record.snapshot_id.is_none() {
+        if pin.snapshot_id.is_none() {
             return Ok(signalweave_lake::ScanPlan {
                 snapshot_id: None,
                 tasks: Vec::new(),
@@ -1746,18 +1936,17 @@ impl Running {
         }
         Ok(self
             .lake
-            .plan_time_range_of(
-                LakeTable::Events,
-                from,
-                to,
-                self.record.snapshot_id,
-                columns,
-            )
+            .plan_time_range_of(LakeTable::Events, from, to, pin.snapshot_id, columns)
             .await?)
     }
 
     /// [`Self::process`], reading events from `read_from`.
-    async fn process_from(&self, sub: &SubRange, read_from: i64) -> Result<Option<SubRangeOutput>> {
+    async fn process_from(
+        &self,
+        sub: &SubRange,
+        read_from: i64,
+        pin: &Arc<Pin>,
+    ) -> Result<Option<SubRangeOutput>> {
         let recycled = self.engines.lock().ok().and_then(|mut e| e.pop());
         let mut engine = match recycled {
             Some(engine) => engine,
@@ -1772,11 +1961,13 @@ impl Running {
             )?,
         };
         let all_groups = sub.kg_lo == 0 && sub.kg_hi >= signalweave_window::DEFAULT_KEY_GROUPS;
-        let arrivals = &self.arrivals;
+        let arrivals = &pin.arrivals;
         let columns = source_columns(&self.spec);
         let plan = |from: i64, to: i64| {
             let columns = &columns;
-            async move { Ok::<_, RunnerError>(self.plan_events(from, to, Some(columns)).await?.tasks) }
+            async move {
+                Ok::<_, RunnerError>(self.plan_events(pin, from, to, Some(columns)).await?.tasks)
+            }
         };
         let main = plan(read_from, sub.to_us).await?;
         // Earlier copies of the sub-range's records may have other event times (or keys
@@ -1862,7 +2053,7 @@ impl Running {
             )
         };
         let expected =
-            self.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
+            pin.spans.estimate_tasks(&tasks, copies_from, held_to) * share.0 / share.1.max(1);
         engine.reserve(expected.min(16_000_000) as usize);
         let mut figures = sub.clone();
         let mut stages = Stages::new(&self.options.metrics, &self.labels);
@@ -1884,7 +2075,7 @@ impl Running {
             // report late records. A sixth of the bytes a backfill decompresses. So is
             // the currency, which only a late record reports.
             let uniform = arrivals.uniform_of(&task.data_file_path).filter(|&wm| {
-                self.spans
+                pin.spans
                     .span_of(&task.data_file_path)
                     .is_some_and(|(lowest, _)| engine.on_time_from(lowest, wm))
             });
@@ -2020,7 +2211,7 @@ impl Running {
         let last = sub.to_us == self.record.to_us;
         // The input's watermark: a window it has not passed may still gain records (in the
         // live job, later); it is as partial as one crossing the range's end.
-        let input_watermark = self.arrivals.at(i64::MAX, i64::MAX);
+        let input_watermark = pin.arrivals.at(i64::MAX, i64::MAX);
         let finishing = Instant::now();
         let mut rows = engine.finish(BACKFILL_PROC_TIME);
         stages.add(Stage::Engine, finishing);
@@ -2056,6 +2247,7 @@ impl Running {
         figures.rows_written = rows.len() as u64;
         figures.late = late_events.len() as u64;
         Ok(Some(SubRangeOutput {
+            pin: Arc::clone(pin),
             rows,
             late: late_events,
             figures,
@@ -2063,13 +2255,14 @@ impl Running {
         }))
     }
 
-    /// Commits a sub-range's outputs, then its late records; commits that exist are
-    /// recognised by their identity and skipped. Returns the output snapshot.
+    /// Commits a sub-range's outputs, then its late records, less the windows of erasures
+    /// its snapshot predates; commits that exist are recognised by their identity and
+    /// skipped. Returns the output snapshot; `out`'s figures count what was committed.
     async fn commit(
         &self,
         output: LakeTable,
         sub: &SubRange,
-        out: &SubRangeOutput,
+        out: &mut SubRangeOutput,
     ) -> Result<Option<i64>> {
         let summary: HashMap<String, String> = [
             (SUMMARY_JOB, self.record.job.clone()),
@@ -2079,15 +2272,34 @@ impl Running {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        // Read at the commit: an erasure recorded after the sub-range was read applies.
+        let mut erased = match ErasedWindows::new(&self.spec) {
+            Some(w) => {
+                let mut w = w.read_from(self.record.created_ms);
+                w.read_new(&self.lake).await?;
+                w.forget(&out.pin.reflected);
+                Some(w)
+            }
+            None => None,
+        };
         let mut snapshot = None;
-        if !out.rows.is_empty() {
+        let batch = if out.rows.is_empty() {
+            None
+        } else {
             let batch = out.rows.to_batch(
                 &self.spec,
                 &self.record.namespace,
-                &vec![self.record.snapshot_id; out.rows.len()],
+                &vec![out.pin.snapshot_id; out.rows.len()],
             )?;
             let batch = RecordBatch::try_new(output.arrow_schema(), batch.columns().to_vec())
                 .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("output batch: {e}")))?;
+            match erased.as_mut() {
+                Some(w) => w.outputs(batch)?,
+                None => Some(batch),
+            }
+        };
+        out.figures.rows_written = batch.as_ref().map_or(0, |b| b.num_rows() as u64);
+        if let Some(batch) = batch {
             let identity = CommitIdentity::new(self.writer(), u64::from(sub.seq));
             let outcome = self
                 .lake
@@ -2095,8 +2307,13 @@ impl Running {
                 .await?;
             snapshot = Some(outcome.snapshot_id);
         }
-        if !out.late.is_empty() {
-            let batch = late::to_batch(&self.record.job, &self.record.namespace, &out.late)?;
+        let late = match erased.as_mut() {
+            Some(w) => w.late(&out.late),
+            None => std::borrow::Cow::Borrowed(&out.late[..]),
+        };
+        out.figures.late = late.len() as u64;
+        if !late.is_empty() {
+            let batch = late::to_batch(&self.record.job, &self.record.namespace, &late)?;
             let identity = CommitIdentity::new(self.late_writer(), u64::from(sub.seq));
             self.lake
                 .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)

@@ -86,6 +86,22 @@ impl ErasedWindows {
         Ok(())
     }
 
+    /// Reads only the erasures recorded after `after_ms` (less the margin): a backfill
+    /// pinned its input then, and earlier ones were already gone from it.
+    pub(crate) fn read_from(mut self, after_ms: i64) -> Self {
+        self.read_ms = after_ms;
+        self
+    }
+
+    /// Leaves out the erasures `reflected` names: the input already lacked their events.
+    pub(crate) fn forget(&mut self, reflected: &HashSet<String>) {
+        let held = self.notices.len();
+        self.notices.retain(|n| !reflected.contains(&n.erasure_id));
+        if self.notices.len() != held {
+            self.named.clear();
+        }
+    }
+
     /// Forgets the erasures whose windows have all settled by `watermark`: the watermark of
     /// a commit just made, below which nothing later is emitted. (Before a commit, its rows
     /// were emitted at lower watermarks, and an erasure must still apply to them.)
@@ -225,6 +241,7 @@ mod tests {
             erased_ms: 1,
             event_from_us: 100 * MIN,
             event_to_us: 105 * MIN,
+            events_snapshot_id: None,
         });
         w
     }
