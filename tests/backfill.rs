@@ -14,7 +14,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::cli::{Proc, count, get, ok, sql, sw, wait_until};
+use support::cli::{Proc, count, erase_cmd, get, ok, sql, sw, wait_until};
 
 const FROM: &str = "2026-01-01T00:00:00Z";
 const TO: &str = "2026-01-01T03:00:00Z";
@@ -176,6 +176,16 @@ fn backfill_cmd(lake: &Path, verb: &str, namespace: &str) -> Output {
 const OUTPUTS: &str = "select key, cast(window_start as varchar) w, output_version, completeness, \
      events, placed_count, placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, \
      cancelled_amount_minor from signalweave.{t} order by key, w, output_version";
+
+/// How many sub-ranges a status shows done.
+fn done(s: &Value) -> usize {
+    s["subranges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "done")
+        .count()
+}
 
 fn late_in_range(lake: &Path, namespace: &str) -> i64 {
     count(
@@ -534,14 +544,6 @@ fn pause_resume_and_abort_steer_a_running_backfill() {
     let s = status(&lake, "signalled");
     assert_eq!(s["backfill"]["state"], "paused", "{s}");
     assert_eq!(s["running"], false, "{s}");
-    let done = |s: &Value| {
-        s["subranges"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|s| s["state"] == "done")
-            .count()
-    };
     assert!(done(&s) < 6, "stopped before the end: {s}");
     let table = sw(&lake)
         .args(["backfill", "status", "--namespace", "signalled"])
@@ -922,32 +924,13 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
         Duration::from_secs(60),
         || throttled() > 0.5,
     );
-    let erased = sw(&lake)
-        .args([
-            "lake",
-            "erase",
-            "--customer-id",
-            &customer,
-            "--tenant",
-            &tenant,
-        ])
-        .args(["--reason", "a ticket"])
-        .output()
-        .unwrap();
+    let erased = erase_cmd(&lake, &key).output().unwrap();
     ok(erased.clone());
     let said = String::from_utf8_lossy(&erased.stderr);
     assert!(
         said.contains("Backfills not finished") && said.contains("customer_features (running"),
         "{said}"
     );
-    let done = |s: &Value| {
-        s["subranges"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|s| s["state"] == "done")
-            .count()
-    };
     let s = status_of(&lake, "customer_features", "running");
     assert_eq!(
         done(&s),

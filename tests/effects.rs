@@ -19,7 +19,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::cli::{Proc, get, ok, sw};
+use support::cli::{Proc, erase_cmd, get, ok, sw};
 
 /// A lake with customer_features outputs: 20,000 events loaded in commits of 1,000, the
 /// live job run until caught up.
@@ -80,22 +80,6 @@ fn land_more(lake: &Path, dir: &Path, events: u64, per_sec: u64) {
         .unwrap());
     ok(sw(lake).arg("load").arg(&more).output().unwrap());
     run_until_caught_up(lake);
-}
-
-/// `lake erase` of the customer whose output key (tenant, customer id) is `key`.
-fn erase_cmd(lake: &Path, key: &str) -> Command {
-    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(key)).unwrap();
-    let mut c = sw(lake);
-    c.args([
-        "lake",
-        "erase",
-        "--customer-id",
-        &customer,
-        "--tenant",
-        &tenant,
-    ])
-    .args(["--reason", "a ticket"]);
-    c
 }
 
 /// A copy of `lake` (the ledger lives in its catalog database).

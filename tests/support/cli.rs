@@ -169,3 +169,19 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// `lake erase` of the customer whose output key (tenant, customer id) is `key`.
+pub fn erase_cmd(lake: &Path, key: &str) -> Command {
+    let [tenant, customer] = <[String; 2]>::try_from(signalweave_model::split_key(key)).unwrap();
+    let mut c = sw(lake);
+    c.args([
+        "lake",
+        "erase",
+        "--customer-id",
+        &customer,
+        "--tenant",
+        &tenant,
+    ])
+    .args(["--reason", "a ticket"]);
+    c
+}
