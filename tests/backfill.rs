@@ -859,6 +859,16 @@ fn status_of(lake: &Path, job: &str, namespace: &str) -> Value {
     v.remove(0)
 }
 
+/// Backfills planned before an erasure go on from a snapshot without the erased events:
+/// - one resumed while the erasure is stopped before its expiry (its snapshot still
+///   there) moves by sequence numbers to the erasure's rewrite;
+/// - one resumed after the erasure completed (its snapshot expired) moves too;
+/// - one whose first sub-range waits to commit when the erasure is recorded leaves the
+///   subject's windows out of that commit, then moves.
+///
+/// Each equals a backfill planned after the erasure, and holds none of the subject's
+/// windows. Before, the first two failed on their expired snapshot, and the third wrote
+/// the subject's windows back (30 rows) and then failed.
 #[test]
 fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
     let dir = tempfile::tempdir().unwrap();
@@ -874,7 +884,15 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
             .args(extra);
         c
     };
-    // Planned (its snapshot pinned) before the erasure, run after it.
+    let resume = |namespace: &str| {
+        ok(sw(&lake)
+            .args(["backfill", "resume", "--job", "customer_features"])
+            .args(["--namespace", namespace])
+            .output()
+            .unwrap())
+    };
+    // Planned (their snapshot pinned) before the erasure, run after it.
+    ok(features("halted", &["--detach"]).output().unwrap());
     ok(features("resumed", &["--detach"]).output().unwrap());
     let pinned =
         status_of(&lake, "customer_features", "resumed")["backfill"]["snapshot_id"].clone();
@@ -894,8 +912,8 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
         subject[0]["customer_id"].as_str().unwrap().to_string(),
     );
     let key = signalweave_model::join_key(&[tenant.as_str(), customer.as_str()]);
-    // Running: its first sub-range read, and waiting for its rows budget, when the
-    // erasure comes.
+    // Running: its first sub-range read, and waiting for its rows budget (the only budget
+    // it has, so its only throttled time), when the erasure comes.
     let metrics_port = support::free_port();
     let mut running = Proc::spawn(features(
         "running",
@@ -924,43 +942,35 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
         Duration::from_secs(60),
         || throttled() > 0.5,
     );
-    let erased = erase_cmd(&lake, &key).output().unwrap();
-    ok(erased.clone());
-    let said = String::from_utf8_lossy(&erased.stderr);
-    assert!(
-        said.contains("Backfills not finished") && said.contains("customer_features (running"),
-        "{said}"
-    );
+    // The erasure stops after its rewrites and record, before its expiry.
+    let stopped = erase_cmd(&lake, &key)
+        .env("SIGNALWEAVE_ERASE_FAULT", "before_expiry")
+        .output()
+        .unwrap();
+    assert!(!stopped.status.success(), "{stopped:?}");
     let s = status_of(&lake, "customer_features", "running");
     assert_eq!(
         done(&s),
         0,
-        "the first sub-range was to commit after the erasure (raise its rows' wait): {s}"
+        "the first sub-range was to commit after the erasure's record (raise its rows' wait): {s}"
     );
+    // Its snapshot still there, the halted backfill moves by sequence numbers.
+    resume("halted");
+    let moved = status_of(&lake, "customer_features", "halted")["backfill"]["snapshot_id"].clone();
+    assert_ne!(moved, pinned);
+    // Run again, the erasure completes: the older snapshots expire.
+    ok(erase_cmd(&lake, &key).output().unwrap());
     assert_eq!(
         running.wait_exit(Duration::from_secs(120), "the running backfill"),
         Some(0)
     );
     let log = running.log();
-    assert!(
-        log.contains("reads the landing table's current snapshot from here on"),
-        "{log}"
-    );
-    ok(sw(&lake)
-        .args([
-            "backfill",
-            "resume",
-            "--job",
-            "customer_features",
-            "--namespace",
-            "resumed",
-        ])
-        .output()
-        .unwrap());
+    assert!(log.contains("holds erased events or is gone"), "{log}");
+    resume("resumed");
     // Planned after the erasure.
     ok(features("after", &[]).output().unwrap());
 
-    for ns in ["running", "resumed", "after"] {
+    for ns in ["halted", "running", "resumed", "after"] {
         let s = status_of(&lake, "customer_features", ns);
         assert_eq!(
             (s["backfill"]["state"].as_str(), done(&s)),
@@ -981,24 +991,79 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
             "{ns} holds none of the subject's windows"
         );
     }
-    // Read from the snapshot the erasure left, the resumed backfill equals one planned
-    // after it; so do the running one's later sub-ranges.
-    let rows = |ns: &str, from: &str| {
+    // The erasure's rewrite of the landing table, the one later snapshot.
+    assert_eq!(
+        status_of(&lake, "customer_features", "after")["backfill"]["snapshot_id"],
+        moved
+    );
+    // Read from the snapshot the erasure left, the backfills resumed equal one planned
+    // after it; so do the running one's later sub-ranges. So does its first, read from
+    // the older snapshot, but for the subject's windows: the erasure kept the other
+    // records where they arrived.
+    let rows = |ns: &str| {
         sql(
             &lake,
             &format!(
                 "select key, cast(window_start as varchar) s, cast(window_end as varchar) e, \
                  output_version, completeness, order_count, amount_minor_sum, amount_minor_max \
-                 from signalweave.customer_features__bf_{ns} where window_end > '{from}' \
-                 order by key, s, output_version"
+                 from signalweave.customer_features__bf_{ns} order by key, s, output_version"
             ),
         )
     };
-    let after = rows("after", FROM);
+    let after = rows("after");
     assert!(after.len() > 1_000, "{}", after.len());
-    assert_eq!(rows("resumed", FROM), after);
-    assert_eq!(
-        rows("running", "2026-01-01T00:15:00Z"),
-        rows("after", "2026-01-01T00:15:00Z")
+    for ns in ["halted", "resumed", "running"] {
+        assert!(
+            rows(ns) == after,
+            "{ns} differs from a backfill planned after the erasure"
+        );
+    }
+}
+
+/// An erasure rewrites each data file holding its subject into files that keep its data
+/// sequence number, so the other records stay where they arrived: a backfill after it
+/// judges the same records late as one before it, and as the live job did. (Given the
+/// erasure's commit's sequence number, the rewritten files of a bulk load, whose chunks
+/// share one ingest time, came last in the order of arrival: their records were judged
+/// against the watermark of the whole load.)
+#[test]
+fn an_erasure_keeps_the_other_records_where_they_arrived() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = landed_history(dir.path());
+    ok(start(&lake, "before", &[]).output().unwrap());
+    let subject = sql(
+        &lake,
+        &format!(
+            "select tenant, customer_id, count(*) n from signalweave.events \
+             where event_time >= '{FROM}' and event_time < '{TO}' \
+             group by tenant, customer_id order by n desc, customer_id limit 1"
+        ),
     );
+    let key = signalweave_model::join_key(&[
+        subject[0]["tenant"].as_str().unwrap(),
+        subject[0]["customer_id"].as_str().unwrap(),
+    ]);
+    ok(erase_cmd(&lake, &key).output().unwrap());
+    ok(start(&lake, "after", &[]).output().unwrap());
+    let late = |namespace: &str| {
+        sql(
+            &lake,
+            &format!(
+                "select tenant, event_id from signalweave.late_events \
+                 where job = 'market_aggregates' and namespace = '{namespace}' \
+                 and event_time >= '{FROM}' and event_time < '{TO}' order by tenant, event_id"
+            ),
+        )
+    };
+    let before = late("before");
+    assert!(
+        before.len() > 20,
+        "the fixture has events beyond 2 h: {}",
+        before.len()
+    );
+    assert!(
+        late("after") == before,
+        "the same records are late after the erasure"
+    );
+    assert!(late("live") == before, "as they were for the live job");
 }

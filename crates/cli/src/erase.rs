@@ -76,9 +76,8 @@ pub async fn run(
     // the lake's part found is printed even when the ledger's fails.
     let ledger = erase_effects(lake, &request, &notifications, &mut report).await;
     print(&report, jobs_dir, format)?;
-    // A backfill not finished moves to the erased snapshot before its next sub-range, and
-    // leaves the subject's windows out of what it commits; what a sub-range read before
-    // the erasure adds to aggregates not keyed by the customer still counts the events.
+    // A backfill not finished moves to a snapshot without the erased events before its
+    // next sub-range (see `signalweave_runner::backfill`, "Erasures").
     let unfinished: Vec<String> = signalweave_runner::backfill::BackfillStore::open(lake.clone())
         .await?
         .list()
@@ -89,10 +88,11 @@ pub async fn run(
         .collect();
     if !unfinished.is_empty() {
         eprintln!(
-            "Backfills not finished: {}. Each reads the landing table as the erasure left it \
-             from its next sub-range on (a paused one when it resumes), and leaves the \
-             subject's windows out of what it commits. A sub-range it was reading meanwhile \
-             still counts the erased events in aggregates not keyed by customer.",
+            "Backfills not finished: {}. Each reads a snapshot without the erased events from \
+             its next sub-range on (a paused one when it resumes). A sub-range it was reading \
+             meanwhile leaves the subject's windows out of its commit in a job keyed by \
+             customer; in other jobs' aggregates it counts the erased events, as aggregates \
+             committed before do.",
             unfinished.join(", ")
         );
     }

@@ -162,12 +162,12 @@ impl ManifestReads {
             .collect())
     }
 
-    /// The data files live in `snapshot`.
+    /// The data files live in `snapshot`, each with its data sequence number.
     pub(crate) async fn live_files(
         &mut self,
         base: &Table,
         snapshot: &SnapshotRef,
-    ) -> Result<Vec<DataFile>> {
+    ) -> Result<Vec<(DataFile, i64)>> {
         Ok(self
             .data_manifests(base, snapshot)
             .await?
@@ -177,7 +177,7 @@ impl ManifestReads {
                     .entries()
                     .iter()
                     .filter(|e| live_data(e))
-                    .map(|e| e.data_file().clone())
+                    .map(|e| (e.data_file().clone(), e.sequence_number().unwrap_or(0)))
                     .collect::<Vec<_>>()
             })
             .collect())
@@ -218,6 +218,8 @@ pub(crate) struct PreparedReplace {
     prepared_at: Option<std::time::Instant>,
     /// A commit's outcome could not be learnt (see [`Self::outcome_unknown`]).
     outcome_unknown: bool,
+    /// The data sequence number an added file keeps, by path (see [`Self::keep_sequence`]).
+    sequences: HashMap<String, i64>,
 }
 
 /// How long manifests written for a replace are listed again by later tries. Past it they
@@ -232,10 +234,18 @@ impl PreparedReplace {
         &mut self,
         base: &Table,
         snapshot: &SnapshotRef,
-    ) -> Result<Vec<DataFile>> {
+    ) -> Result<Vec<(DataFile, i64)>> {
         let files = self.reads.live_files(base, snapshot).await?;
         self.reads.keep_only_listed();
         Ok(files)
+    }
+
+    /// The added file at `path` keeps the data sequence number `sequence` (of the one file
+    /// whose rows it holds, less some): readers that order data by it (the arrival order
+    /// of a backfill's records, reconciliation's first copy) see the rows where they were.
+    /// Without it, an added file takes the commit's, as a file of many files' rows must.
+    pub(crate) fn keep_sequence(&mut self, path: &str, sequence: i64) {
+        self.sequences.insert(path.to_string(), sequence);
     }
 
     /// Deletes the manifests written and never committed.
@@ -646,10 +656,11 @@ impl Lake {
             )
             .build_v2_data();
             for f in added {
-                // No sequence number of its own: an added file takes the snapshot's,
+                // Without a sequence number kept, an added file takes the snapshot's,
                 // whichever try commits it.
-                w.add_file(f.clone(), -1)
-                    .map_err(ice("add a compacted file"))?;
+                let sequence = prep.sequences.get(f.file_path()).copied().unwrap_or(-1);
+                w.add_file(f.clone(), sequence)
+                    .map_err(ice("add a rewritten file"))?;
             }
             prep.added_manifest = Some(
                 w.write_manifest_file()

@@ -140,6 +140,9 @@ pub struct ErasureNotice {
     /// found them in older snapshots only, after a run stopped past its rewrite). A reader
     /// pinned to an earlier snapshot still sees them.
     pub events_snapshot_id: Option<i64>,
+    /// Whether it has run to its end: then every snapshot before its rewrite has expired,
+    /// held or not.
+    pub completed: bool,
 }
 
 /// What one table lost.
@@ -500,7 +503,8 @@ impl Lake {
         let mut removed: HashSet<String> = HashSet::new();
         let mut bytes_removed = 0u64;
         let mut rows_removed_files = 0u64;
-        let mut pending: Vec<RecordBatch> = Vec::new();
+        // The rows each file hit keeps, with its data sequence number, not written yet.
+        let mut pending: Vec<(i64, Vec<RecordBatch>)> = Vec::new();
         let mut added: Vec<DataFile> = Vec::new();
         let mut erased: Vec<RecordBatch> = Vec::new();
         let mut writes = 0u64;
@@ -527,7 +531,7 @@ impl Lake {
                 // The manifests read on an earlier try are not read again: a lost race costs
                 // the manifests appended since.
                 let files = prep.live_files(&base, current).await?;
-                let live: HashSet<&str> = files.iter().map(|f| f.file_path()).collect();
+                let live: HashSet<&str> = files.iter().map(|(f, _)| f.file_path()).collect();
                 if removed.iter().any(|p| !live.contains(p.as_str())) {
                     // A file to replace was replaced by someone else: start over.
                     discard(&io, &added, &mut prep).await;
@@ -544,10 +548,10 @@ impl Lake {
                 let spec = Some(md.default_partition_spec().clone());
                 let tasks: Vec<_> = files
                     .iter()
-                    .filter(|f| examined.insert(f.file_path().to_string()))
-                    .map(|f| whole_file_task(f, &schema, &field_ids, spec.clone()))
+                    .filter(|(f, _)| examined.insert(f.file_path().to_string()))
+                    .map(|(f, seq)| (whole_file_task(f, &schema, &field_ids, spec.clone()), *seq))
                     .collect();
-                for task in tasks {
+                for (task, sequence) in tasks {
                     let path = task.data_file_path.clone();
                     let size = task.file_size_in_bytes;
                     let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
@@ -574,22 +578,30 @@ impl Lake {
                         removed.insert(path);
                         bytes_removed += size;
                         rows_removed_files += rows;
-                        pending.extend(file_kept.into_iter().filter(|b| b.num_rows() > 0));
+                        file_kept.retain(|b| b.num_rows() > 0);
+                        if !file_kept.is_empty() {
+                            pending.push((sequence, file_kept));
+                        }
                     }
                 }
                 if removed.is_empty() {
                     return Ok((out, Vec::new()));
                 }
-                if !pending.is_empty() {
+                // Each file's rows in files of their own, which keep its data sequence
+                // number: the rows stay where they were in the order of arrival.
+                for (sequence, batches) in pending.drain(..) {
                     let identity =
                         CommitIdentity::new(format!("{erasure_id}-{}", table.name()), writes);
                     writes += 1;
                     let mut w = self.append_writer(table, &identity).await?;
-                    for b in &pending {
+                    for b in &batches {
                         w.write(b).await?;
                     }
-                    added.extend(w.finish().await?.into_files());
-                    pending.clear();
+                    let files = w.finish().await?.into_files();
+                    for f in &files {
+                        prep.keep_sequence(f.file_path(), sequence);
+                    }
+                    added.extend(files);
                 }
                 let rows_kept: u64 = added.iter().map(|f| f.record_count()).sum();
                 let stats = RewriteStats {
@@ -655,7 +667,7 @@ impl Lake {
             .live_files(&t, newest)
             .await?
             .iter()
-            .map(|f| f.file_path().to_string())
+            .map(|(f, _)| f.file_path().to_string())
             .collect();
         let (mut manifests_seen, mut seen) = (HashSet::new(), HashSet::new());
         let mut files = Vec::new();
@@ -761,8 +773,8 @@ impl Lake {
     /// the erasing host's clock: a reader asks from a margin before the newest it read.)
     pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
         // Id, subject, time, the event times (unknown when no event was erased), the
-        // customer id's digest alone (unknown in records made before it was kept), and
-        // what each table lost.
+        // customer id's digest alone (unknown in records made before it was kept), what
+        // each table lost, and when it completed.
         type Row = (
             String,
             String,
@@ -771,10 +783,11 @@ impl Lake {
             Option<i64>,
             Option<String>,
             Option<String>,
+            Option<i64>,
         );
         let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
             "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us, \
-                 customer_sha256, tables_json \
+                 customer_sha256, tables_json, completed_ms \
                  FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 \
                  AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL ORDER BY erased_ms",
         ))
@@ -786,7 +799,7 @@ impl Lake {
         Ok(rows
             .into_iter()
             .filter_map(
-                |(erasure_id, subject_sha256, erased_ms, from, to, customer, tables)| {
+                |(erasure_id, subject_sha256, erased_ms, from, to, customer, tables, completed)| {
                     Some(ErasureNotice {
                         erasure_id,
                         customer_sha256: customer.unwrap_or_else(|| subject_sha256.clone()),
@@ -795,6 +808,7 @@ impl Lake {
                         event_from_us: from?,
                         event_to_us: to?,
                         events_snapshot_id: tables.as_deref().and_then(events_snapshot),
+                        completed: completed.is_some(),
                     })
                 },
             )

@@ -4,7 +4,8 @@
 //! # Plan
 //!
 //! `start` pins the landing table's current snapshot (held against expiry until the
-//! backfill ends), so every sub-range reads the same input, and cuts `[from, to)` into
+//! backfill ends), so every sub-range reads the same input (unless an erasure moves it:
+//! see "Erasures"), and cuts `[from, to)` into
 //! sub-ranges: time slices (a day by default, aligned to multiples of the slice) ×
 //! key-group ranges. Everything lives in the catalog database: `sw_backfills` (one row per
 //! job and namespace: range, version, budgets, state, the steering wish, the runner's
@@ -15,7 +16,7 @@
 //! A sub-range `[a, b)` owns the windows whose end is in `(a, b]`, and, when `b` is the
 //! range's end, the windows crossing it, marked `partial` (they count only the events
 //! before `to`; never silently truncated). So are the windows the input's watermark (the
-//! largest event time of the pinned snapshot, minus the out-of-orderness bound) has not
+//! largest event time of the snapshot read, minus the out-of-orderness bound) has not
 //! passed: records may still come for them. It reads the events of its key groups from
 //! `a − lead-in` to `b`: the lead-in (one window span; the allowed lateness for sessions)
 //! makes the first windows complete. A session may have begun before any lead-in, so a
@@ -63,15 +64,23 @@
 //!
 //! # Erasures
 //!
-//! `lake erase` expires every snapshot before its own, whatever holds it, so the pinned
-//! snapshot of a backfill running across an erasure loses its files, and until then still
-//! holds the erased events. Before each sub-range, and when it resumes, a backfill reads
-//! the erasures recorded since it began (`sw_erasures`); one its snapshot predates moves
-//! it to the landing table's current snapshot, held and recorded in its place (see
-//! [`Pin`]). A sub-range read from the older snapshot leaves the erased customer's windows
-//! out of its commit, as a live job does ([`ErasedWindows`]); one whose reading failed
-//! meanwhile is read again from the new snapshot. What such a sub-range committed of an
-//! aggregate not keyed by customer still counts the erased events.
+//! `lake erase` rewrites the landing table without its subject, records itself in
+//! `sw_erasures`, and at its end expires every snapshot before its rewrite, whatever holds
+//! it. A backfill pinned before an erasure would read deleted files, or until the expiry
+//! the erased events. So before each sub-range, and when it resumes, a backfill judges the
+//! erasures it has not judged yet against its snapshot (`judge`): by whether the snapshot
+//! is still there, and by sequence numbers for an erasure not complete. One its snapshot
+//! predates moves it to that erasure's rewrite (the newest such), or to the current
+//! snapshot when the rewrite is not known; the new snapshot is held and recorded in
+//! the old one's place. Erasures are judged by snapshots, never by the hosts' clocks.
+//!
+//! A sub-range read from the older snapshot leaves the erased customer's windows out of
+//! its commit, as a live job does ([`ErasedWindows`]); one whose reading failed after its
+//! snapshot moved is read again from the new one. What such a sub-range adds to an
+//! aggregate not keyed by customer still counts the erased events: a backfill of the range
+//! after the erasure recomputes it. A snapshot gone for another reason (its hold released
+//! by hand) moves the backfill to the current snapshot too, with a warning, rather than
+//! fail every resume.
 //!
 //! # Budgets and live priority
 //!
@@ -1131,10 +1140,6 @@ const PAUSE: u8 = 1;
 const ABORT: u8 = 2;
 const LOST: u8 = 3;
 
-/// How long before a backfill began an erasure may be recorded and still be judged
-/// against its snapshot (ms): erasures are timed by the erasing host's clock.
-const ERASURE_MARGIN_MS: i64 = 10 * 60 * 1000;
-
 /// The landing-table snapshot a backfill reads, and what its files' statistics tell of
 /// its records' arrivals and event times (see "Erasures" in the module docs).
 #[derive(Debug)]
@@ -1143,7 +1148,7 @@ struct Pin {
     snapshot_id: Option<i64>,
     arrivals: Arc<ArrivalWatermarks>,
     spans: Arc<FileSpans>,
-    /// The erasures whose events the snapshot does not hold.
+    /// The erasures judged against this snapshot: it lacks their events.
     reflected: HashSet<String>,
 }
 
@@ -1176,91 +1181,137 @@ impl Pin {
             reflected,
         })
     }
+
+    /// This pin, with `erasures` judged too.
+    fn reflecting(&self, erasures: &[ErasureNotice]) -> Self {
+        let mut reflected = self.reflected.clone();
+        reflected.extend(erasures.iter().map(|n| n.erasure_id.clone()));
+        Self {
+            snapshot_id: self.snapshot_id,
+            arrivals: Arc::clone(&self.arrivals),
+            spans: Arc::clone(&self.spans),
+            reflected,
+        }
+    }
 }
 
-/// Whether the landing table's snapshot `pinned` still holds events one of `erasures`
-/// removed: it is gone (an erasure expires every snapshot before its own), or one of them
-/// removed them at a later snapshot.
-async fn predates(lake: &Lake, pinned: Option<i64>, erasures: &[ErasureNotice]) -> Result<bool> {
+/// Why a backfill leaves its snapshot, and for which.
+#[derive(Debug, PartialEq, Eq)]
+enum Move {
+    /// It lacks the events of the erasures judged: it stays.
+    Stay,
+    /// An erasure's rewrite came after it, and that rewrite's snapshot is the newest
+    /// such: the backfill moves there (the erasure keeps it).
+    To(i64),
+    /// It is gone (expired, by an erasure or after its hold was released), or an
+    /// erasure's rewrite is not known to come before or after it: to the current one.
+    ToCurrent,
+}
+
+/// Where the backfill pinned to `pinned` goes, given `erasures` (those not judged yet).
+///
+/// An erasure that ran to its end expired every snapshot before its rewrite, held or not:
+/// a snapshot still there lacks its events. One not complete (running, or stopped before
+/// its expiry) is placed by the sequence numbers of its rewrite and of the pin; when its
+/// rewrite is not known (a run after one stopped found the events in older snapshots
+/// only) or already expired, the pin is left for the current snapshot, which lacks the
+/// events either way.
+async fn judge(lake: &Lake, pinned: Option<i64>, erasures: &[ErasureNotice]) -> Result<Move> {
     // Planned on an empty table: the backfill reads nothing.
     let Some(pinned) = pinned else {
-        return Ok(false);
+        return Ok(Move::Stay);
     };
     let events = lake.table(LakeTable::Events).await?;
     let metadata = events.metadata();
     let Some(pin) = metadata.snapshot_by_id(pinned) else {
-        return Ok(true);
+        return Ok(Move::ToCurrent);
     };
-    Ok(erasures.iter().any(|n| {
-        n.events_snapshot_id
-            .and_then(|s| metadata.snapshot_by_id(s))
-            .is_some_and(|s| s.sequence_number() > pin.sequence_number())
-    }))
+    // (sequence number, id) of the newest rewrite after the pin.
+    let mut newest: Option<(i64, i64)> = None;
+    for n in erasures {
+        let rewrite = n
+            .events_snapshot_id
+            .and_then(|s| metadata.snapshot_by_id(s));
+        match rewrite {
+            Some(s) if s.sequence_number() > pin.sequence_number() => {
+                newest = newest.max(Some((s.sequence_number(), s.snapshot_id())));
+            }
+            Some(_) => {}
+            None if n.completed => {}
+            None => return Ok(Move::ToCurrent),
+        }
+    }
+    Ok(newest.map_or(Move::Stay, |(_, id)| Move::To(id)))
 }
 
 /// The pin `record`'s backfill reads from now on: `current` (None: the recorded snapshot,
-/// its statistics not read yet), with the erasures recorded since the backfill began
-/// judged. When one removed events the pinned snapshot holds, the landing table's current
-/// snapshot instead (an erasure records itself after its rewrite, so the current snapshot
-/// lacks those events), held and recorded in the old one's place.
+/// its statistics not read yet), with the erasures not judged yet judged (see [`judge`]).
+/// With `check` (when it starts, or a read failed), the pin is checked even when no
+/// erasure is new: it may be gone. A new pin is held, then read, then recorded in the old
+/// one's place.
 async fn settle_pin(
     lake: &Lake,
     store: &BackfillStore,
     spec: &JobSpec,
     record: &BackfillRecord,
     current: Option<Arc<Pin>>,
+    check: bool,
 ) -> Result<Arc<Pin>> {
-    let mut reflected = current
-        .as_ref()
-        .map(|p| p.reflected.clone())
-        .unwrap_or_default();
+    let reflected = current.as_ref().map(|p| &p.reflected);
+    // Every erasure: one is judged by the snapshots, not by its time (hosts' clocks
+    // differ), and an erasure is rare.
     let erasures: Vec<ErasureNotice> = lake
-        .erasures_after(record.created_ms.saturating_sub(ERASURE_MARGIN_MS))
+        .erasures_after(i64::MIN)
         .await?
         .into_iter()
-        .filter(|n| !reflected.contains(&n.erasure_id))
+        .filter(|n| reflected.is_none_or(|r| !r.contains(&n.erasure_id)))
         .collect();
+    if let Some(current) = current.as_ref().filter(|_| erasures.is_empty() && !check) {
+        return Ok(Arc::clone(current));
+    }
     let pinned = current
         .as_ref()
         .map_or(record.snapshot_id, |p| p.snapshot_id);
-    if let Some(current) = current.as_ref().filter(|_| erasures.is_empty()) {
-        return Ok(Arc::clone(current));
-    }
-    reflected.extend(erasures.iter().map(|n| n.erasure_id.clone()));
-    // Only an erasure moves a backfill to another snapshot: its input is otherwise fixed.
-    if erasures.is_empty() || !predates(lake, pinned, &erasures).await? {
-        return Ok(Arc::new(match current {
-            Some(c) => Pin {
-                snapshot_id: c.snapshot_id,
-                arrivals: Arc::clone(&c.arrivals),
-                spans: Arc::clone(&c.spans),
-                reflected,
-            },
-            None => Pin::read(lake, spec, pinned, reflected).await?,
-        }));
-    }
-    let now = lake
-        .table(LakeTable::Events)
-        .await?
-        .metadata()
-        .current_snapshot()
-        .map(|s| s.snapshot_id());
-    let pin = Pin::read(lake, spec, now, reflected).await?;
-    if let Some(s) = now {
+    let to = match judge(lake, pinned, &erasures).await? {
+        Move::Stay => {
+            return Ok(Arc::new(match current {
+                Some(c) => c.reflecting(&erasures),
+                None => {
+                    let ids = erasures.iter().map(|n| n.erasure_id.clone()).collect();
+                    Pin::read(lake, spec, pinned, ids).await?
+                }
+            }));
+        }
+        Move::To(s) => Some(s),
+        Move::ToCurrent => lake
+            .table(LakeTable::Events)
+            .await?
+            .metadata()
+            .current_snapshot()
+            .map(|s| s.snapshot_id()),
+    };
+    // Held before its statistics are read: routine expiry may take a snapshot no longer
+    // current meanwhile.
+    if let Some(s) = to {
         lake.hold_snapshot(LakeTable::Events, &record.holder(), s)
             .await?;
     }
+    // The new snapshot lacks the events of every erasure read: of those it was judged
+    // by, and of those before the old pin.
+    let mut ids: HashSet<String> = reflected.cloned().unwrap_or_default();
+    ids.extend(erasures.iter().map(|n| n.erasure_id.clone()));
+    let pin = Pin::read(lake, spec, to, ids).await?;
     store
-        .set_snapshot(&record.job, &record.namespace, now)
+        .set_snapshot(&record.job, &record.namespace, to)
         .await?;
-    let ids: Vec<&str> = erasures.iter().map(|n| n.erasure_id.as_str()).collect();
+    let named: Vec<&str> = erasures.iter().map(|n| n.erasure_id.as_str()).collect();
     tracing::warn!(
         job = %record.job,
         namespace = %record.namespace,
         from = ?pinned,
-        to = ?now,
-        erasures = ?ids,
-        "an erasure removed events of the backfill's snapshot: it reads the landing table's current snapshot from here on"
+        to = ?to,
+        erasures = ?named,
+        "the backfill's snapshot holds erased events or is gone: it reads the landing table's snapshot {to:?} from here on"
     );
     Ok(Arc::new(pin))
 }
@@ -1420,7 +1471,7 @@ pub async fn run(
     }
     // The snapshot to read: the pinned one, unless an erasure has removed events from it
     // since (and expired it).
-    let pin = match settle_pin(lake, &store, &spec, &record, None).await {
+    let pin = match settle_pin(lake, &store, &spec, &record, None, true).await {
         Ok(pin) => pin,
         Err(e) => {
             store.release(&spec.name, namespace, &runner).await?;
@@ -1660,9 +1711,9 @@ impl Running {
         )
     }
 
-    /// The pin the next sub-range reads from, with the erasures recorded since judged
-    /// (see [`settle_pin`]).
-    async fn current_pin(&self) -> Result<Arc<Pin>> {
+    /// The pin the next sub-range reads from, with the erasures recorded since judged;
+    /// with `check`, whether it is gone too (see [`settle_pin`]).
+    async fn current_pin(&self, check: bool) -> Result<Arc<Pin>> {
         let mut pin = self.pin.lock().await;
         let settled = settle_pin(
             &self.lake,
@@ -1670,6 +1721,7 @@ impl Running {
             &self.spec,
             &self.record,
             Some(Arc::clone(&pin)),
+            check,
         )
         .await?;
         *pin = Arc::clone(&settled);
@@ -1795,12 +1847,14 @@ impl Running {
         let (job, ns) = (&self.record.job, &self.record.namespace);
         let output = self.record.output_table(&self.spec)?;
         let started = Instant::now();
-        let pin = self.current_pin().await?;
+        let pin = self.current_pin(false).await?;
         let processed = match self.process(&sub, &pin).await {
             // An erasure may have expired the snapshot while it was read, and deleted its
             // files: the sub-range is read again from the snapshot the erasure left.
             Err(e) => {
-                let now = self.current_pin().await?;
+                let Ok(now) = self.current_pin(true).await else {
+                    return Err(e);
+                };
                 if now.snapshot_id == pin.snapshot_id {
                     return Err(e);
                 }
@@ -1813,6 +1867,8 @@ impl Running {
             return Ok(false);
         };
         drop(processing);
+        // The rows budget is spent on the rows made, some of which an erasure may leave
+        // out of the commit (`rows_written` counts those committed).
         out.stages
             .waiting(
                 Stage::Throttled,
@@ -2272,10 +2328,12 @@ impl Running {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        // Read at the commit: an erasure recorded after the sub-range was read applies.
+        // Read at the commit: an erasure recorded after the sub-range's snapshot was judged
+        // applies. (One recorded after this read, whose rewrite of this table commits
+        // before the append below, leaves the rows this append adds: `lake erase` says
+        // until when to run it again.)
         let mut erased = match ErasedWindows::new(&self.spec) {
-            Some(w) => {
-                let mut w = w.read_from(self.record.created_ms);
+            Some(mut w) => {
                 w.read_new(&self.lake).await?;
                 w.forget(&out.pin.reflected);
                 Some(w)

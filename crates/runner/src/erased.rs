@@ -86,13 +86,6 @@ impl ErasedWindows {
         Ok(())
     }
 
-    /// Reads only the erasures recorded after `after_ms` (less the margin): a backfill
-    /// pinned its input then, and earlier ones were already gone from it.
-    pub(crate) fn read_from(mut self, after_ms: i64) -> Self {
-        self.read_ms = after_ms;
-        self
-    }
-
     /// Leaves out the erasures `reflected` names: the input already lacked their events.
     pub(crate) fn forget(&mut self, reflected: &HashSet<String>) {
         let held = self.notices.len();
@@ -242,6 +235,7 @@ mod tests {
             event_from_us: 100 * MIN,
             event_to_us: 105 * MIN,
             events_snapshot_id: None,
+            completed: true,
         });
         w
     }
