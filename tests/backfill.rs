@@ -861,14 +861,16 @@ fn status_of(lake: &Path, job: &str, namespace: &str) -> Value {
 
 /// Backfills planned before an erasure go on from a snapshot without the erased events:
 /// - one resumed while the erasure is stopped before its expiry (its snapshot still
-///   there) moves by sequence numbers to the erasure's rewrite;
-/// - one resumed after the erasure completed (its snapshot expired) moves too;
+///   there, events appended since) moves by sequence numbers to the erasure's rewrite,
+///   not to the current snapshot;
+/// - one resumed after the erasure completed (its snapshot expired) moves too, and, once
+///   moved, stays when it resumes again, though the stopped run's rewrite has expired;
 /// - one whose first sub-range waits to commit when the erasure is recorded leaves the
 ///   subject's windows out of that commit, then moves.
 ///
 /// Each equals a backfill planned after the erasure, and holds none of the subject's
-/// windows. Before, the first two failed on their expired snapshot, and the third wrote
-/// the subject's windows back (30 rows) and then failed.
+/// windows. Before, the ones resumed failed on their expired snapshot, and the running
+/// one wrote the subject's windows back (30 rows) and then failed.
 #[test]
 fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
     let dir = tempfile::tempdir().unwrap();
@@ -892,8 +894,9 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
             .unwrap())
     };
     // Planned (their snapshot pinned) before the erasure, run after it.
-    ok(features("halted", &["--detach"]).output().unwrap());
-    ok(features("resumed", &["--detach"]).output().unwrap());
+    for ns in ["halted", "resumed", "twice"] {
+        ok(features(ns, &["--detach"]).output().unwrap());
+    }
     let pinned =
         status_of(&lake, "customer_features", "resumed")["backfill"]["snapshot_id"].clone();
     assert!(pinned.is_i64(), "{pinned}");
@@ -954,7 +957,17 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
         0,
         "the first sub-range was to commit after the erasure's record (raise its rows' wait): {s}"
     );
-    // Its snapshot still there, the halted backfill moves by sequence numbers.
+    // An event of the next day lands: the erasure's rewrite is no longer current.
+    let history = std::fs::read_to_string(dir.path().join("history.ndjson")).unwrap();
+    let mut event: Value = serde_json::from_str(history.lines().next().unwrap()).unwrap();
+    event["event_id"] = Value::String("e-appended-after-the-erasure".into());
+    event["customer_id"] = Value::String("c-appended".into());
+    event["event_time"] = Value::String("2026-01-02T00:00:00Z".into());
+    let appended = dir.path().join("appended.ndjson");
+    std::fs::write(&appended, format!("{event}\n")).unwrap();
+    ok(sw(&lake).arg("load").arg(&appended).output().unwrap());
+    // Its snapshot still there, the halted backfill moves by sequence numbers to the
+    // rewrite.
     resume("halted");
     let moved = status_of(&lake, "customer_features", "halted")["backfill"]["snapshot_id"].clone();
     assert_ne!(moved, pinned);
@@ -967,10 +980,41 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
     let log = running.log();
     assert!(log.contains("holds erased events or is gone"), "{log}");
     resume("resumed");
+    // Stopped after its first sub-range's commit, then resumed: it moved once, then
+    // stays, the stopped run's rewrite expired or not.
+    let first = sw(&lake)
+        .args(["backfill", "resume", "--job", "customer_features"])
+        .args(["--namespace", "twice"])
+        .env("SIGNALWEAVE_BACKFILL_FAULT", "1")
+        .output()
+        .unwrap();
+    assert!(!first.status.success(), "{first:?}");
+    assert!(
+        String::from_utf8_lossy(&first.stderr).contains("holds erased events or is gone"),
+        "{first:?}"
+    );
+    // The stopped process's lease goes stale first.
+    std::thread::sleep(Duration::from_secs(6));
+    let again = sw(&lake)
+        .args(["backfill", "resume", "--job", "customer_features"])
+        .args(["--namespace", "twice"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{again:?}");
+    assert!(
+        !said.contains("holds erased events or is gone"),
+        "moved again: {said}"
+    );
     // Planned after the erasure.
     ok(features("after", &[]).output().unwrap());
+    let current = status_of(&lake, "customer_features", "after")["backfill"]["snapshot_id"].clone();
+    assert_ne!(
+        moved, current,
+        "the halted backfill moved to the rewrite, not to the newest"
+    );
 
-    for ns in ["halted", "running", "resumed", "after"] {
+    for ns in ["halted", "running", "resumed", "twice", "after"] {
         let s = status_of(&lake, "customer_features", ns);
         assert_eq!(
             (s["backfill"]["state"].as_str(), done(&s)),
@@ -991,11 +1035,6 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
             "{ns} holds none of the subject's windows"
         );
     }
-    // The erasure's rewrite of the landing table, the one later snapshot.
-    assert_eq!(
-        status_of(&lake, "customer_features", "after")["backfill"]["snapshot_id"],
-        moved
-    );
     // Read from the snapshot the erasure left, the backfills resumed equal one planned
     // after it; so do the running one's later sub-ranges. So does its first, read from
     // the older snapshot, but for the subject's windows: the erasure kept the other
@@ -1012,7 +1051,7 @@ fn backfills_unfinished_at_an_erasure_go_on_from_the_snapshot_it_left() {
     };
     let after = rows("after");
     assert!(after.len() > 1_000, "{}", after.len());
-    for ns in ["halted", "resumed", "running"] {
+    for ns in ["halted", "resumed", "twice", "running"] {
         assert!(
             rows(ns) == after,
             "{ns} differs from a backfill planned after the erasure"

@@ -14,6 +14,10 @@
 //! commit, as a live job reading one commit per step sees them. A compacted file holds
 //! many commits and a new sequence number: it contributes only after its last arrival, so
 //! around compacted data the recovered watermark can differ from the live one.
+//!
+//! A file an erasure rewrote keeps its sequence number, so its records keep their place;
+//! its statistics bound the rows kept, so where an erased row held its largest event or
+//! ingest time, its step moves.
 
 use iceberg::scan::FileScanTask;
 use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};

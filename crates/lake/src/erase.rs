@@ -140,6 +140,10 @@ pub struct ErasureNotice {
     /// found them in older snapshots only, after a run stopped past its rewrite). A reader
     /// pinned to an earlier snapshot still sees them.
     pub events_snapshot_id: Option<i64>,
+    /// The sequence number of a snapshot of `events` from which on none holds the
+    /// erased events: of the rewrite, or of the current snapshot when they were in older
+    /// snapshots only. (Unknown in records made before it was kept.)
+    pub events_sequence: Option<i64>,
     /// Whether it has run to its end: then every snapshot before its rewrite has expired,
     /// held or not.
     pub completed: bool,
@@ -290,13 +294,25 @@ impl Lake {
                 }
             }
         }
+        // From which snapshot on the events are gone: the rewrite, or (found in older
+        // snapshots only) the current one.
+        let events_sequence = {
+            let t = self.table(LakeTable::Events).await?;
+            let md = t.metadata();
+            events
+                .snapshot_id
+                .and_then(|id| md.snapshot_by_id(id))
+                .or_else(|| md.current_snapshot())
+                .map(|s| s.sequence_number())
+        };
         report.tables.push(events);
         // Recorded as soon as the events are gone, with their event times: from then on a
         // running job leaves the subject's windows over them out of what it commits, and
         // what it committed before is rewritten below. The counts are completed at the end.
         let recorded_early = report.event_time_range.is_some();
         if recorded_early {
-            self.record_erasure(request, &report, false).await?;
+            self.record_erasure(request, &report, events_sequence, false)
+                .await?;
         }
         // A late row names its event, and its window's key: a job that read the subject's
         // events before the rewrite may commit their late rows after it, when the events
@@ -378,7 +394,8 @@ impl Lake {
         if recorded_early {
             self.amend_erasure(&report).await?;
         } else {
-            self.record_erasure(request, &report, true).await?;
+            self.record_erasure(request, &report, events_sequence, true)
+                .await?;
         }
         Ok(report)
     }
@@ -738,6 +755,7 @@ impl Lake {
         &self,
         request: &ErasureRequest,
         report: &ErasureReport,
+        events_sequence: Option<i64>,
         completed: bool,
     ) -> Result<()> {
         let now = chrono::Utc::now().timestamp_millis();
@@ -747,7 +765,8 @@ impl Lake {
         sqlx::query(&self.control_sql(
             "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, \
              requested_by, erased_ms, tables_json, event_from_us, event_to_us, completed_ms, \
-             customer_sha256) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+             customer_sha256, events_sequence) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
         ))
         .bind(report.erasure_id.as_str())
         .bind(self.config().catalog_name.as_str())
@@ -762,6 +781,7 @@ impl Lake {
         // A job keyed by customer id alone mixes the tenants' customers of that id: its
         // windows are the subject's whatever the tenant (see `names_subject`).
         .bind(subject_digest(&request.customer_id, None))
+        .bind(events_sequence)
         .execute(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("record the erasure", e))?;
@@ -772,48 +792,82 @@ impl Lake {
     /// leaves their subjects' windows over those times out of what it commits. (Times are
     /// the erasing host's clock: a reader asks from a margin before the newest it read.)
     pub async fn erasures_after(&self, after_ms: i64) -> Result<Vec<ErasureNotice>> {
-        // Id, subject, time, the event times (unknown when no event was erased), the
-        // customer id's digest alone (unknown in records made before it was kept), what
-        // each table lost, and when it completed.
-        type Row = (
-            String,
-            String,
-            i64,
-            Option<i64>,
-            Option<i64>,
-            Option<String>,
-            Option<String>,
-            Option<i64>,
-        );
-        let rows: Vec<Row> = sqlx::query_as(&self.control_sql(
-            "SELECT erasure_id, subject_sha256, erased_ms, event_from_us, event_to_us, \
-                 customer_sha256, tables_json, completed_ms \
-                 FROM sw_erasures WHERE catalog_name = $1 AND erased_ms > $2 \
-                 AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL ORDER BY erased_ms",
-        ))
+        let rows: Vec<ErasureRow> = sqlx::query_as(&self.control_sql(&format!(
+            "SELECT {ERASURE_COLUMNS} FROM sw_erasures WHERE catalog_name = $1 \
+             AND erased_ms > $2 AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL \
+             ORDER BY erased_ms"
+        )))
         .bind(self.config().catalog_name.as_str())
         .bind(after_ms)
         .fetch_all(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("read the erasures", e))?;
-        Ok(rows
-            .into_iter()
-            .filter_map(
-                |(erasure_id, subject_sha256, erased_ms, from, to, customer, tables, completed)| {
-                    Some(ErasureNotice {
-                        erasure_id,
-                        customer_sha256: customer.unwrap_or_else(|| subject_sha256.clone()),
-                        subject_sha256,
-                        erased_ms,
-                        event_from_us: from?,
-                        event_to_us: to?,
-                        events_snapshot_id: tables.as_deref().and_then(events_snapshot),
-                        completed: completed.is_some(),
-                    })
-                },
-            )
-            .collect())
+        Ok(rows.into_iter().filter_map(notice).collect())
     }
+
+    /// The ids of the erasures whose events had event times: a reader that keeps the
+    /// notices it read asks for the others alone ([`Lake::erasure`]), whatever the hosts'
+    /// clocks.
+    pub async fn erasure_ids(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar(&self.control_sql(
+            "SELECT erasure_id FROM sw_erasures WHERE catalog_name = $1 \
+             AND event_from_us IS NOT NULL AND event_to_us IS NOT NULL",
+        ))
+        .bind(self.config().catalog_name.as_str())
+        .fetch_all(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("list the erasures", e))
+    }
+
+    /// The erasure `erasure_id`, when it is recorded and its events had event times.
+    pub async fn erasure(&self, erasure_id: &str) -> Result<Option<ErasureNotice>> {
+        let row: Option<ErasureRow> = sqlx::query_as(&self.control_sql(&format!(
+            "SELECT {ERASURE_COLUMNS} FROM sw_erasures WHERE catalog_name = $1 \
+             AND erasure_id = $2"
+        )))
+        .bind(self.config().catalog_name.as_str())
+        .bind(erasure_id)
+        .fetch_optional(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("read an erasure", e))?;
+        Ok(row.and_then(notice))
+    }
+}
+
+/// The columns of `sw_erasures` a notice is read from, in [`ErasureRow`]'s order.
+const ERASURE_COLUMNS: &str = "erasure_id, subject_sha256, erased_ms, event_from_us, \
+    event_to_us, customer_sha256, tables_json, completed_ms, events_sequence";
+
+/// Id, subject, time, the event times (unknown when no event was erased), the customer
+/// id's digest alone (unknown in records made before it was kept), what each table lost,
+/// when it completed, and the sequence number from which the events are gone.
+type ErasureRow = (
+    String,
+    String,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// The notice of a row; None when no event was erased.
+fn notice(row: ErasureRow) -> Option<ErasureNotice> {
+    let (erasure_id, subject_sha256, erased_ms, from, to, customer, tables, completed, sequence) =
+        row;
+    Some(ErasureNotice {
+        erasure_id,
+        customer_sha256: customer.unwrap_or_else(|| subject_sha256.clone()),
+        subject_sha256,
+        erased_ms,
+        event_from_us: from?,
+        event_to_us: to?,
+        events_snapshot_id: tables.as_deref().and_then(events_snapshot),
+        events_sequence: sequence,
+        completed: completed.is_some(),
+    })
 }
 
 #[cfg(test)]

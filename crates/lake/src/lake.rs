@@ -398,7 +398,7 @@ impl Lake {
              reason VARCHAR(1000) NOT NULL, requested_by VARCHAR(255) NOT NULL, \
              erased_ms BIGINT NOT NULL, tables_json TEXT NOT NULL, \
              event_from_us BIGINT, event_to_us BIGINT, completed_ms BIGINT, \
-             customer_sha256 VARCHAR(64))",
+             customer_sha256 VARCHAR(64), events_sequence BIGINT)",
         )
         .execute(&self.control)
         .await
@@ -579,6 +579,7 @@ impl Lake {
             ("event_to_us", "BIGINT"),
             ("completed_ms", "BIGINT"),
             ("customer_sha256", "VARCHAR(64)"),
+            ("events_sequence", "BIGINT"),
         ] {
             if type_of(column).is_some() {
                 continue;

@@ -1195,6 +1195,29 @@ impl Pin {
     }
 }
 
+/// The erasures a backfill has read, kept so that a read asks only for new ones.
+#[derive(Debug, Default)]
+struct ErasureLog {
+    notices: Vec<ErasureNotice>,
+    ids: HashSet<String>,
+}
+
+impl ErasureLog {
+    /// Every erasure recorded, the new ones read.
+    async fn refresh(&mut self, lake: &Lake) -> Result<&[ErasureNotice]> {
+        for id in lake.erasure_ids().await? {
+            if self.ids.contains(&id) {
+                continue;
+            }
+            if let Some(n) = lake.erasure(&id).await? {
+                self.ids.insert(id);
+                self.notices.push(n);
+            }
+        }
+        Ok(&self.notices)
+    }
+}
+
 /// Why a backfill leaves its snapshot, and for which.
 #[derive(Debug, PartialEq, Eq)]
 enum Move {
@@ -1210,12 +1233,13 @@ enum Move {
 
 /// Where the backfill pinned to `pinned` goes, given `erasures` (those not judged yet).
 ///
-/// An erasure that ran to its end expired every snapshot before its rewrite, held or not:
-/// a snapshot still there lacks its events. One not complete (running, or stopped before
-/// its expiry) is placed by the sequence numbers of its rewrite and of the pin; when its
-/// rewrite is not known (a run after one stopped found the events in older snapshots
-/// only) or already expired, the pin is left for the current snapshot, which lacks the
-/// events either way.
+/// An erasure records the sequence number from which on no snapshot holds its events
+/// (its rewrite's, or the then current snapshot's when it found them in older snapshots
+/// only): a pin at or after it stays. One before it moves to the rewrite, which the
+/// erasure keeps, or, when that is not there, to the current snapshot, which lacks the
+/// events either way. A record from before the sequence was kept is placed by its
+/// rewrite's sequence number; failing that, one that ran to its end expired every
+/// snapshot before its rewrite, held or not, so a pin still there lacks its events.
 async fn judge(lake: &Lake, pinned: Option<i64>, erasures: &[ErasureNotice]) -> Result<Move> {
     // Planned on an empty table: the backfill reads nothing.
     let Some(pinned) = pinned else {
@@ -1232,11 +1256,20 @@ async fn judge(lake: &Lake, pinned: Option<i64>, erasures: &[ErasureNotice]) -> 
         let rewrite = n
             .events_snapshot_id
             .and_then(|s| metadata.snapshot_by_id(s));
-        match rewrite {
-            Some(s) if s.sequence_number() > pin.sequence_number() => {
-                newest = newest.max(Some((s.sequence_number(), s.snapshot_id())));
-            }
+        // From which snapshot on its events are gone (recorded, or its rewrite's).
+        let gone_from = n
+            .events_sequence
+            .or_else(|| rewrite.map(|s| s.sequence_number()));
+        match gone_from {
+            Some(seq) if seq > pin.sequence_number() => match rewrite {
+                Some(s) if s.sequence_number() == seq => {
+                    newest = newest.max(Some((seq, s.snapshot_id())));
+                }
+                // Found in older snapshots only, or its rewrite expired since.
+                _ => return Ok(Move::ToCurrent),
+            },
             Some(_) => {}
+            // A record from before the sequence was kept.
             None if n.completed => {}
             None => return Ok(Move::ToCurrent),
         }
@@ -1254,17 +1287,19 @@ async fn settle_pin(
     store: &BackfillStore,
     spec: &JobSpec,
     record: &BackfillRecord,
+    log: &mut ErasureLog,
     current: Option<Arc<Pin>>,
     check: bool,
 ) -> Result<Arc<Pin>> {
     let reflected = current.as_ref().map(|p| &p.reflected);
     // Every erasure: one is judged by the snapshots, not by its time (hosts' clocks
-    // differ), and an erasure is rare.
-    let erasures: Vec<ErasureNotice> = lake
-        .erasures_after(i64::MIN)
+    // differ).
+    let erasures: Vec<ErasureNotice> = log
+        .refresh(lake)
         .await?
-        .into_iter()
+        .iter()
         .filter(|n| reflected.is_none_or(|r| !r.contains(&n.erasure_id)))
+        .cloned()
         .collect();
     if let Some(current) = current.as_ref().filter(|_| erasures.is_empty() && !check) {
         return Ok(Arc::clone(current));
@@ -1471,7 +1506,8 @@ pub async fn run(
     }
     // The snapshot to read: the pinned one, unless an erasure has removed events from it
     // since (and expired it).
-    let pin = match settle_pin(lake, &store, &spec, &record, None, true).await {
+    let mut erasures = ErasureLog::default();
+    let pin = match settle_pin(lake, &store, &spec, &record, &mut erasures, None, true).await {
         Ok(pin) => pin,
         Err(e) => {
             store.release(&spec.name, namespace, &runner).await?;
@@ -1500,6 +1536,7 @@ pub async fn run(
     ));
     let backfill = Running {
         pin: Arc::new(tokio::sync::Mutex::new(pin)),
+        erasures: Arc::new(tokio::sync::Mutex::new(erasures)),
         lake: lake.clone(),
         spec,
         store: store.clone(),
@@ -1687,6 +1724,8 @@ struct Running {
     lake: Lake,
     /// What sub-ranges read from now (see [`Pin`]).
     pin: Arc<tokio::sync::Mutex<Arc<Pin>>>,
+    /// The erasures read.
+    erasures: Arc<tokio::sync::Mutex<ErasureLog>>,
     spec: Arc<JobSpec>,
     store: BackfillStore,
     record: BackfillRecord,
@@ -1715,11 +1754,13 @@ impl Running {
     /// with `check`, whether it is gone too (see [`settle_pin`]).
     async fn current_pin(&self, check: bool) -> Result<Arc<Pin>> {
         let mut pin = self.pin.lock().await;
+        let mut log = self.erasures.lock().await;
         let settled = settle_pin(
             &self.lake,
             &self.store,
             &self.spec,
             &self.record,
+            &mut log,
             Some(Arc::clone(&pin)),
             check,
         )
@@ -2334,8 +2375,15 @@ impl Running {
         // until when to run it again.)
         let mut erased = match ErasedWindows::new(&self.spec) {
             Some(mut w) => {
-                w.read_new(&self.lake).await?;
-                w.forget(&out.pin.reflected);
+                let mut log = self.erasures.lock().await;
+                let applying = log
+                    .refresh(&self.lake)
+                    .await?
+                    .iter()
+                    .filter(|n| !out.pin.reflected.contains(&n.erasure_id))
+                    .cloned()
+                    .collect();
+                w.hold(applying);
                 Some(w)
             }
             None => None,

@@ -86,13 +86,13 @@ impl ErasedWindows {
         Ok(())
     }
 
-    /// Leaves out the erasures `reflected` names: the input already lacked their events.
-    pub(crate) fn forget(&mut self, reflected: &HashSet<String>) {
-        let held = self.notices.len();
-        self.notices.retain(|n| !reflected.contains(&n.erasure_id));
-        if self.notices.len() != held {
-            self.named.clear();
-        }
+    /// Holds `notices`, read by the caller: a backfill keeps the erasures it read, and
+    /// its commit applies those its snapshot predates.
+    pub(crate) fn hold(&mut self, notices: Vec<ErasureNotice>) {
+        self.read
+            .extend(notices.iter().map(|n| n.erasure_id.clone()));
+        self.notices = notices;
+        self.named.clear();
     }
 
     /// Forgets the erasures whose windows have all settled by `watermark`: the watermark of
@@ -235,6 +235,7 @@ mod tests {
             event_from_us: 100 * MIN,
             event_to_us: 105 * MIN,
             events_snapshot_id: None,
+            events_sequence: None,
             completed: true,
         });
         w
