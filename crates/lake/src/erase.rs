@@ -294,17 +294,24 @@ impl Lake {
                 }
             }
         }
-        // From which snapshot on the events are gone: the rewrite, or (found in older
-        // snapshots only) the current one.
-        let events_sequence = {
-            let t = self.table(LakeTable::Events).await?;
-            let md = t.metadata();
-            events
-                .snapshot_id
-                .and_then(|id| md.snapshot_by_id(id))
-                .or_else(|| md.current_snapshot())
-                .map(|s| s.sequence_number())
+        // From which snapshot on the events are gone (its id and sequence number): the
+        // rewrite, or (found in older snapshots only) the current one. A failed read
+        // leaves it unknown: readers then judge by the rewrite itself.
+        let events_from: Option<(i64, i64)> = match self.table(LakeTable::Events).await {
+            Ok(t) => {
+                let md = t.metadata();
+                events
+                    .snapshot_id
+                    .and_then(|id| md.snapshot_by_id(id))
+                    .or_else(|| md.current_snapshot())
+                    .map(|s| (s.snapshot_id(), s.sequence_number()))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read where the erased events end");
+                None
+            }
         };
+        let events_sequence = events_from.map(|(_, sequence)| sequence);
         report.tables.push(events);
         // Recorded as soon as the events are gone, with their event times: from then on a
         // running job leaves the subject's windows over them out of what it commits, and
@@ -384,7 +391,13 @@ impl Lake {
                 override_holds: true,
                 // The erasure's own snapshot and those after it reference none of the old
                 // files: readers caught up at it, or after it, go on.
-                keep_from: t.snapshot_id,
+                // Found in older snapshots only, the events end at the snapshot current
+                // then: a reader pinned at it goes on too.
+                keep_from: t.snapshot_id.or_else(|| {
+                    (t.table == LakeTable::Events.name())
+                        .then_some(events_from.map(|(id, _)| id))
+                        .flatten()
+                }),
                 ..Default::default()
             };
             let r = self.maintain(table, &policy).await?;

@@ -1203,14 +1203,26 @@ struct ErasureLog {
 }
 
 impl ErasureLog {
-    /// Every erasure recorded, the new ones read.
+    /// Every erasure recorded, the new ones read: one at a time when few are new, else
+    /// all at once (the first read of a backfill).
     async fn refresh(&mut self, lake: &Lake) -> Result<&[ErasureNotice]> {
-        for id in lake.erasure_ids().await? {
-            if self.ids.contains(&id) {
-                continue;
+        let new: Vec<String> = lake
+            .erasure_ids()
+            .await?
+            .into_iter()
+            .filter(|id| !self.ids.contains(id))
+            .collect();
+        let read = if new.len() > 4 {
+            lake.erasures_after(i64::MIN).await?
+        } else {
+            let mut read = Vec::new();
+            for id in &new {
+                read.extend(lake.erasure(id).await?);
             }
-            if let Some(n) = lake.erasure(&id).await? {
-                self.ids.insert(id);
+            read
+        };
+        for n in read {
+            if self.ids.insert(n.erasure_id.clone()) {
                 self.notices.push(n);
             }
         }
