@@ -925,6 +925,22 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
         lake.append(LakeTable::LateEvents, &late, &CommitIdentity::new("l", 0))
             .await
             .unwrap();
+        // An earlier run of the same erasure, stopped before its end.
+        let stopped = format!("erase-stopped-{}", uuid::Uuid::new_v4().simple());
+        sqlx::query(&lake.control_sql(
+            "INSERT INTO sw_erasures (erasure_id, catalog_name, subject_sha256, reason, \
+             requested_by, erased_ms, tables_json) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        ))
+        .bind(stopped.as_str())
+        .bind(lake.config().catalog_name.as_str())
+        .bind(signalweave_lake::subject_digest(&subject, None))
+        .bind("a ticket")
+        .bind("test")
+        .bind(1_i64)
+        .bind("[]")
+        .execute(lake.control_pool())
+        .await
+        .unwrap();
         let old_files = lake.current_data_files(LakeTable::Events).await.unwrap();
         // A reader caught up before the erasure, and one behind.
         let snaps = lake.snapshots(LakeTable::Events).await.unwrap();
@@ -948,6 +964,17 @@ async fn erasure_removes_a_customer_everywhere_and_deletes_the_old_files() {
             })
             .await
             .unwrap();
+        let completed: Option<i64> = sqlx::query_scalar(
+            &lake.control_sql("SELECT completed_ms FROM sw_erasures WHERE erasure_id = $1"),
+        )
+        .bind(stopped.as_str())
+        .fetch_one(lake.control_pool())
+        .await
+        .unwrap();
+        assert!(
+            completed.is_some(),
+            "the run completes the one stopped before it"
+        );
         assert_eq!(
             report.tables[0].rows,
             theirs.len() as u64,

@@ -410,6 +410,8 @@ impl Lake {
             self.record_erasure(request, &report, events_sequence, true)
                 .await?;
         }
+        self.complete_earlier_runs(request, &report.erasure_id)
+            .await?;
         Ok(report)
     }
 
@@ -759,6 +761,32 @@ impl Lake {
                 format!("no erasure {} is recorded", report.erasure_id),
             ));
         }
+        Ok(())
+    }
+
+    /// Marks the earlier runs of `request`'s erasure (the same subject) that stopped
+    /// before their end complete: `erasure_id`, run to its end, did what they left, and
+    /// its expiry took every snapshot before their rewrites. (Readers judge a complete
+    /// erasure by that.)
+    async fn complete_earlier_runs(
+        &self,
+        request: &ErasureRequest,
+        erasure_id: &str,
+    ) -> Result<()> {
+        sqlx::query(&self.control_sql(
+            "UPDATE sw_erasures SET completed_ms = $1 WHERE catalog_name = $2 \
+             AND subject_sha256 = $3 AND completed_ms IS NULL AND erasure_id <> $4",
+        ))
+        .bind(chrono::Utc::now().timestamp_millis())
+        .bind(self.config().catalog_name.as_str())
+        .bind(subject_digest(
+            &request.customer_id,
+            request.tenant.as_deref(),
+        ))
+        .bind(erasure_id)
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("complete the earlier runs of the erasure", e))?;
         Ok(())
     }
 
