@@ -147,6 +147,12 @@ impl ErasedWindows {
             .collect()
     }
 
+    /// Whether an event of `key` at `event_time` is in an erased window.
+    pub(crate) fn names(&mut self, key: &str, event_time: i64) -> bool {
+        !self.notices.is_empty()
+            && self.erased_window(key, event_time, event_time.saturating_add(1))
+    }
+
     /// `batch` (output rows) without the rows of erased windows; None when none is left.
     pub(crate) fn outputs(&mut self, batch: RecordBatch) -> Result<Option<RecordBatch>> {
         if self.notices.is_empty() {

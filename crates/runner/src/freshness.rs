@@ -105,13 +105,12 @@ impl Freshness {
             if keys.iter().any(|k| k.is_null(r)) {
                 continue;
             }
+            // Joined as the engine joins output keys (escaped), so a value holding `|`
+            // still finds its rows.
             let key = if keys.len() == 1 {
                 keys[0].value(r).to_string()
             } else {
-                keys.iter()
-                    .map(|k| k.value(r))
-                    .collect::<Vec<_>>()
-                    .join("|")
+                signalweave_model::join_key(&keys.iter().map(|k| k.value(r)).collect::<Vec<_>>())
             };
             self.pending.push(Sample {
                 key,
@@ -157,6 +156,15 @@ impl Freshness {
         self.dropped += (before - self.pending.len()) as u64;
     }
 
+    /// Forgets the emitted followed events `gone` names by key and event time: the rows
+    /// that covered them were left out of the commit (an erasure), so they never become
+    /// visible. Counted as given up on.
+    pub fn drop_emitted(&mut self, mut gone: impl FnMut(&str, i64) -> bool) {
+        let before = self.emitted.len();
+        self.emitted.retain(|s| !gone(&s.key, s.event_time));
+        self.dropped += (before - self.emitted.len()) as u64;
+    }
+
     /// The emitted rows became visible at `now` (µs). Returns each followed event's stage
     /// durations in seconds, in [`STAGES`] order.
     pub fn visible(&mut self, now: i64) -> Vec<[f64; 6]> {
@@ -196,5 +204,75 @@ impl Freshness {
     pub fn reset_in_flight(&mut self) {
         self.pending.clear();
         self.emitted.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{StringArray, TimestampMicrosecondArray};
+    use arrow::datatypes::{Field, Schema, TimeUnit};
+    use std::sync::Arc;
+
+    fn events(customers: &[&str], times: &[i64]) -> RecordBatch {
+        let ts = || DataType::Timestamp(TimeUnit::Microsecond, None);
+        let schema = Schema::new(vec![
+            Field::new("tenant", DataType::Utf8, false),
+            Field::new("customer_id", DataType::Utf8, false),
+            Field::new("event_time", ts(), false),
+            Field::new("ingest_time", ts(), false),
+        ]);
+        RecordBatch::try_new(
+            Arc::new(schema),
+            vec![
+                Arc::new(StringArray::from(vec!["t"; customers.len()])),
+                Arc::new(StringArray::from(customers.to_vec())),
+                Arc::new(TimestampMicrosecondArray::from(times.to_vec())),
+                Arc::new(TimestampMicrosecondArray::from(times.to_vec())),
+            ],
+        )
+        .unwrap()
+    }
+
+    /// Samples of every event, emitted by rows keyed as the engine joins keys.
+    fn emitted(customers: &[&str]) -> Freshness {
+        let mut f = Freshness::new(1);
+        let times: Vec<i64> = (0..customers.len() as i64).map(|i| 10 + i).collect();
+        let keys = ["tenant".to_string(), "customer_id".to_string()];
+        f.observe(&events(customers, &times), &keys, 100, 200);
+        let mut rows = Emissions::default();
+        for c in customers {
+            rows.push_row(&signalweave_window::OutputRow {
+                key: signalweave_model::join_key(&["t", c]),
+                window_start: 0,
+                window_end: 60_000_000,
+                output_version: 1,
+                completeness: signalweave_window::Completeness::OnTime,
+                retracted: false,
+                watermark: 0,
+                emitted_at: 300,
+                first_event_time: 10,
+                last_event_time: 10,
+                events: 1,
+                values: Vec::new(),
+            });
+        }
+        f.emitted(&rows, 300);
+        f
+    }
+
+    #[test]
+    fn a_key_holding_the_separator_is_followed_to_its_rows() {
+        let mut f = emitted(&["a|b", "c"]);
+        assert_eq!(f.visible(400).len(), 2, "both followed events are visible");
+    }
+
+    #[test]
+    fn samples_of_rows_left_out_are_given_up_on() {
+        let mut f = emitted(&["a", "b"]);
+        let erased = signalweave_model::join_key(&["t", "a"]);
+        f.drop_emitted(|key, _| key == erased);
+        assert_eq!(f.visible(400).len(), 1);
+        assert_eq!(f.dropped, 1);
     }
 }

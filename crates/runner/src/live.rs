@@ -840,6 +840,10 @@ impl LiveJob {
                 None => Some(batch),
             }
         };
+        // The events followed into rows left out never become visible.
+        if let Some(erased) = self.erased.as_mut() {
+            self.freshness.drop_emitted(|key, t| erased.names(key, t));
+        }
         if let Some(batch) = batch {
             let identity = CommitIdentity::new(self.sink_writer(), checkpoint.epoch);
             if fresh
