@@ -29,7 +29,7 @@ use crate::layout::LakeTable;
 use crate::maintain::{MaintenancePolicy, Retention};
 
 /// How the output key of one job version names a customer: its key columns' positions
-/// (see [`signalweave_model::split_key`]).
+/// (see [`signalweave_model::key_parts`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyLayout {
     /// Job name, as output rows carry it.
@@ -87,7 +87,7 @@ impl ErasureRequest {
         let Some(customer) = layout.customer else {
             return false;
         };
-        let parts = signalweave_model::split_key(key);
+        let parts = signalweave_model::key_parts(key, layout.parts);
         parts.len() == layout.parts
             && parts[customer] == self.customer_id
             && match (layout.tenant, &self.tenant) {
@@ -213,6 +213,7 @@ impl Lake {
             ));
         }
         let erasure_id = format!("erase-{}", uuid::Uuid::new_v4().simple());
+        let began_ms = chrono::Utc::now().timestamp_millis();
         let mut report = ErasureReport {
             erasure_id: erasure_id.clone(),
             ..Default::default()
@@ -410,8 +411,8 @@ impl Lake {
             self.record_erasure(request, &report, events_sequence, true)
                 .await?;
         }
-        self.complete_earlier_runs(request, &report.erasure_id)
-            .await?;
+        self.complete_earlier_runs(request, &report.erasure_id, began_ms)
+            .await;
         Ok(report)
     }
 
@@ -764,30 +765,42 @@ impl Lake {
         Ok(())
     }
 
-    /// Marks the earlier runs of `request`'s erasure (the same subject) that stopped
-    /// before their end complete: `erasure_id`, run to its end, did what they left, and
-    /// its expiry took every snapshot before their rewrites. (Readers judge a complete
-    /// erasure by that.)
+    /// Marks complete the runs of `request`'s erasure begun before `began_ms` (the same
+    /// subject, or, unscoped, the same customer id in any tenant) that stopped before
+    /// their end: `erasure_id`, run to its end, did what they left, and its expiry took
+    /// every snapshot before their rewrites. (Readers judge a complete erasure by that.)
+    /// A run begun since may still be going, and is left. A failure is logged: the
+    /// erasure itself is done.
     async fn complete_earlier_runs(
         &self,
         request: &ErasureRequest,
         erasure_id: &str,
-    ) -> Result<()> {
-        sqlx::query(&self.control_sql(
-            "UPDATE sw_erasures SET completed_ms = $1 WHERE catalog_name = $2 \
-             AND subject_sha256 = $3 AND completed_ms IS NULL AND erasure_id <> $4",
-        ))
+        began_ms: i64,
+    ) {
+        let (matching, digest) = match &request.tenant {
+            Some(t) => (
+                "subject_sha256 = $3",
+                subject_digest(&request.customer_id, Some(t)),
+            ),
+            None => (
+                "(subject_sha256 = $3 OR customer_sha256 = $3)",
+                subject_digest(&request.customer_id, None),
+            ),
+        };
+        let done = sqlx::query(&self.control_sql(&format!(
+            "UPDATE sw_erasures SET completed_ms = $1 WHERE catalog_name = $2 AND {matching} \
+             AND completed_ms IS NULL AND erasure_id <> $4 AND erased_ms < $5"
+        )))
         .bind(chrono::Utc::now().timestamp_millis())
         .bind(self.config().catalog_name.as_str())
-        .bind(subject_digest(
-            &request.customer_id,
-            request.tenant.as_deref(),
-        ))
+        .bind(digest)
         .bind(erasure_id)
+        .bind(began_ms)
         .execute(self.control_pool())
-        .await
-        .map_err(|e| LakeError::sql("complete the earlier runs of the erasure", e))?;
-        Ok(())
+        .await;
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "could not mark the earlier runs of the erasure complete");
+        }
     }
 
     /// Records the erasure; `completed`: it is done (else [`Lake::amend_erasure`] marks
@@ -978,6 +991,9 @@ mod tests {
         // Keyed by customer alone, the key mixes tenants: it is the subject's in any.
         let alone = layout(&["customer_id"]);
         assert!(scoped.names_subject(&alone, &key(&["c|7"])));
+        // As the engine writes a key of one column: its value as it is.
+        assert!(scoped.names_subject(&alone, "c|7"));
+        assert!(!scoped.names_subject(&alone, "c\\|7"));
         assert!(!scoped.names_subject(&layout(&["market_id"]), &key(&["c|7"])));
         assert!(by_tenant.writes("customer_features"));
         assert!(by_tenant.writes("customer_features__bf_fix"));

@@ -23,7 +23,7 @@ pub use envelope::{
 };
 pub use error::{Error, ErrorKind, ReasonCode, Rejection, Result};
 pub use ids::{EventId, ProducerId, TenantId};
-pub use key::{join_key, split_key};
+pub use key::{join_key, key_parts, split_key};
 pub use registry::{
     Compatibility, EventTypeSchema, FieldDecl, FieldType, SchemaRegistry, SchemaVersion,
     check_compatibility,

@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use arrow::array::{Array, AsArray, BooleanArray, RecordBatch};
 use arrow::datatypes::TimestampMicrosecondType;
 use signalweave_lake::{ErasureNotice, Lake, subject_digest};
-use signalweave_model::{ErrorKind, split_key};
+use signalweave_model::{ErrorKind, key_parts};
 use signalweave_window::{JobSpec, WindowSpec};
 
 use crate::error::{Result, RunnerError};
@@ -127,7 +127,7 @@ impl ErasedWindows {
     /// erasure of that customer id, whatever its tenant, as `lake erase` judges such a key
     /// (it mixes the tenants' customers of that id).
     fn naming(&self, key: &str) -> Vec<usize> {
-        let parts = split_key(key);
+        let parts = key_parts(key, self.parts);
         if parts.len() != self.parts {
             return Vec::new();
         }
@@ -147,10 +147,10 @@ impl ErasedWindows {
             .collect()
     }
 
-    /// Whether an event of `key` at `event_time` is in an erased window.
-    pub(crate) fn names(&mut self, key: &str, event_time: i64) -> bool {
-        !self.notices.is_empty()
-            && self.erased_window(key, event_time, event_time.saturating_add(1))
+    /// Whether the window `[start, end)` of `key` is left out of commits, as
+    /// [`Self::outputs`] leaves its rows out.
+    pub(crate) fn leaves_out(&mut self, key: &str, start: i64, end: i64) -> bool {
+        !self.notices.is_empty() && self.erased_window(key, start, end)
     }
 
     /// `batch` (output rows) without the rows of erased windows; None when none is left.

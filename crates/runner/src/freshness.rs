@@ -34,6 +34,8 @@ struct Sample {
     committed_at: i64,
     read_at: i64,
     emitted_at: i64,
+    /// The window of the row that covered it, once emitted.
+    window: (i64, i64),
 }
 
 /// Follows sampled events through the stages.
@@ -119,6 +121,7 @@ impl Freshness {
                 committed_at,
                 read_at,
                 emitted_at: 0,
+                window: (0, 0),
             });
         }
     }
@@ -138,12 +141,13 @@ impl Freshness {
             }
             let mut still = Vec::with_capacity(self.pending.len());
             for mut s in std::mem::take(&mut self.pending) {
-                let covered = windows.get(s.key.as_str()).is_some_and(|ws| {
+                let covered = windows.get(s.key.as_str()).and_then(|ws| {
                     ws.iter()
-                        .any(|(start, end)| *start <= s.event_time && s.event_time < *end)
+                        .find(|(start, end)| *start <= s.event_time && s.event_time < *end)
                 });
-                if covered {
+                if let Some(&window) = covered {
                     s.emitted_at = now;
+                    s.window = window;
                     self.emitted.push(s);
                 } else {
                     still.push(s);
@@ -156,12 +160,13 @@ impl Freshness {
         self.dropped += (before - self.pending.len()) as u64;
     }
 
-    /// Forgets the emitted followed events `gone` names by key and event time: the rows
-    /// that covered them were left out of the commit (an erasure), so they never become
-    /// visible. Counted as given up on.
-    pub fn drop_emitted(&mut self, mut gone: impl FnMut(&str, i64) -> bool) {
+    /// Forgets the emitted followed events whose covering row `gone` names by key and
+    /// window (start, end): such rows were left out of the commit (an erasure), so they
+    /// never become visible. Counted as given up on.
+    pub fn drop_emitted(&mut self, mut gone: impl FnMut(&str, i64, i64) -> bool) {
         let before = self.emitted.len();
-        self.emitted.retain(|s| !gone(&s.key, s.event_time));
+        self.emitted
+            .retain(|s| !gone(&s.key, s.window.0, s.window.1));
         self.dropped += (before - self.emitted.len()) as u64;
     }
 
@@ -271,7 +276,7 @@ mod tests {
     fn samples_of_rows_left_out_are_given_up_on() {
         let mut f = emitted(&["a", "b"]);
         let erased = signalweave_model::join_key(&["t", "a"]);
-        f.drop_emitted(|key, _| key == erased);
+        f.drop_emitted(|key, start, end| key == erased && (start, end) == (0, 60_000_000));
         assert_eq!(f.visible(400).len(), 1);
         assert_eq!(f.dropped, 1);
     }

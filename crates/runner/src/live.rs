@@ -842,7 +842,8 @@ impl LiveJob {
         };
         // The events followed into rows left out never become visible.
         if let Some(erased) = self.erased.as_mut() {
-            self.freshness.drop_emitted(|key, t| erased.names(key, t));
+            self.freshness
+                .drop_emitted(|key, start, end| erased.leaves_out(key, start, end));
         }
         if let Some(batch) = batch {
             let identity = CommitIdentity::new(self.sink_writer(), checkpoint.epoch);
