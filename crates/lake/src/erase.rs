@@ -860,8 +860,7 @@ impl Lake {
     }
 
     /// The ids of the erasures whose events had event times: a reader that keeps the
-    /// notices it read asks for the others alone ([`Lake::erasure`]), whatever the hosts'
-    /// clocks.
+    /// notices it read learns whether one is new, whatever the hosts' clocks.
     pub async fn erasure_ids(&self) -> Result<Vec<String>> {
         sqlx::query_scalar(&self.control_sql(
             "SELECT erasure_id FROM sw_erasures WHERE catalog_name = $1 \
@@ -871,20 +870,6 @@ impl Lake {
         .fetch_all(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("list the erasures", e))
-    }
-
-    /// The erasure `erasure_id`, when it is recorded and its events had event times.
-    pub async fn erasure(&self, erasure_id: &str) -> Result<Option<ErasureNotice>> {
-        let row: Option<ErasureRow> = sqlx::query_as(&self.control_sql(&format!(
-            "SELECT {ERASURE_COLUMNS} FROM sw_erasures WHERE catalog_name = $1 \
-             AND erasure_id = $2"
-        )))
-        .bind(self.config().catalog_name.as_str())
-        .bind(erasure_id)
-        .fetch_optional(self.control_pool())
-        .await
-        .map_err(|e| LakeError::sql("read an erasure", e))?;
-        Ok(row.and_then(notice))
     }
 }
 

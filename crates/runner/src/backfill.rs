@@ -1203,27 +1203,14 @@ struct ErasureLog {
 }
 
 impl ErasureLog {
-    /// Every erasure recorded, the new ones read: one at a time when few are new, else
-    /// all at once (the first read of a backfill).
+    /// Every erasure recorded: when one is new, all are read again (an erasure is rare).
     async fn refresh(&mut self, lake: &Lake) -> Result<&[ErasureNotice]> {
-        let new: Vec<String> = lake
-            .erasure_ids()
-            .await?
-            .into_iter()
-            .filter(|id| !self.ids.contains(id))
-            .collect();
-        let read = if new.len() > 4 {
-            lake.erasures_after(i64::MIN).await?
-        } else {
-            let mut read = Vec::new();
-            for id in &new {
-                read.extend(lake.erasure(id).await?);
-            }
-            read
-        };
-        for n in read {
-            if self.ids.insert(n.erasure_id.clone()) {
-                self.notices.push(n);
+        let ids = lake.erasure_ids().await?;
+        if ids.iter().any(|id| !self.ids.contains(id)) {
+            for n in lake.erasures_after(i64::MIN).await? {
+                if self.ids.insert(n.erasure_id.clone()) {
+                    self.notices.push(n);
+                }
             }
         }
         Ok(&self.notices)

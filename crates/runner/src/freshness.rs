@@ -107,13 +107,10 @@ impl Freshness {
             if keys.iter().any(|k| k.is_null(r)) {
                 continue;
             }
-            // Joined as the engine joins output keys (escaped), so a value holding `|`
-            // still finds its rows.
-            let key = if keys.len() == 1 {
-                keys[0].value(r).to_string()
-            } else {
-                signalweave_model::join_key(&keys.iter().map(|k| k.value(r)).collect::<Vec<_>>())
-            };
+            // Joined as the engine joins output keys, so a value holding `|` still finds
+            // its rows.
+            let key =
+                signalweave_model::join_key(&keys.iter().map(|k| k.value(r)).collect::<Vec<_>>());
             self.pending.push(Sample {
                 key,
                 event_time: et.value(r),
