@@ -13,6 +13,8 @@ pub enum BodyFormat {
     Json,
     /// `application/x-ndjson` (or `application/jsonl`): one event per line.
     Ndjson,
+    /// `application/json-seq` (RFC 7464): each event after a record separator (0x1E).
+    JsonSeq,
 }
 
 /// The body format named by a `Content-Type` header.
@@ -26,10 +28,10 @@ pub fn body_format(content_type: Option<&str>) -> Result<BodyFormat, Rejection> 
     let essence = ct.split(';').next().unwrap_or_default().trim();
     match essence.to_ascii_lowercase().as_str() {
         "application/json" => Ok(BodyFormat::Json),
-        "application/x-ndjson"
-        | "application/ndjson"
-        | "application/jsonl"
-        | "application/json-seq" => Ok(BodyFormat::Ndjson),
+        "application/x-ndjson" | "application/ndjson" | "application/jsonl" => {
+            Ok(BodyFormat::Ndjson)
+        }
+        "application/json-seq" => Ok(BodyFormat::JsonSeq),
         other => Err(Rejection::new(
             ReasonCode::UnsupportedMediaType,
             format!("Content-Type `{other}` is not application/json or application/x-ndjson"),
@@ -75,7 +77,13 @@ pub fn decode(
             Ok(body)
         }
         Some("gzip") | Some("x-gzip") => {
-            let out = read_limited(flate2::read::GzDecoder::new(&body[..]), max_decoded, "gzip")?;
+            // Every member: a gzip file may be several members back to back (RFC 1952 2.2),
+            // and a decoder of the first alone would drop the rest without a word.
+            let out = read_limited(
+                flate2::read::MultiGzDecoder::new(&body[..]),
+                max_decoded,
+                "gzip",
+            )?;
             Ok(out.into())
         }
         Some("zstd") => {
@@ -96,7 +104,8 @@ pub fn decode(
 
 /// Splits a decoded body into one slice per event. A JSON body that is not an object or
 /// an array of values is refused as a whole; an NDJSON body is split by line, so one bad
-/// line does not spoil the others. Blank lines are skipped.
+/// line does not spoil the others. Blank lines are skipped. A JSON text sequence is split
+/// at its record separators (a record may span lines), and empty records are skipped.
 pub fn split(format: BodyFormat, body: &[u8], max_events: usize) -> Result<Vec<&[u8]>, Rejection> {
     // A UTF-8 byte order mark may lead a body (RFC 8259 lets a parser ignore it).
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
@@ -105,6 +114,11 @@ pub fn split(format: BodyFormat, body: &[u8], max_events: usize) -> Result<Vec<&
             .split(|b| *b == b'\n')
             .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
             .filter(|line| line.iter().any(|b| !b.is_ascii_whitespace()))
+            .collect(),
+        BodyFormat::JsonSeq => body
+            .split(|b| *b == RECORD_SEPARATOR)
+            .map(trim)
+            .filter(|record| !record.is_empty())
             .collect(),
         BodyFormat::Json => {
             let first = body.iter().find(|b| !b.is_ascii_whitespace());
@@ -146,6 +160,9 @@ pub fn split(format: BodyFormat, body: &[u8], max_events: usize) -> Result<Vec<&
     }
     Ok(events)
 }
+
+/// RFC 7464's record separator, which opens each JSON text of a sequence.
+const RECORD_SEPARATOR: u8 = 0x1E;
 
 fn trim(bytes: &[u8]) -> &[u8] {
     let start = bytes
@@ -212,6 +229,40 @@ mod tests {
         let r = decode(Some("gzip"), bytes::Bytes::from_static(b"not gzip"), 10).unwrap_err();
         assert_eq!(r.reason, ReasonCode::MalformedBody);
         let r = decode(Some("zstd"), bytes::Bytes::from_static(b"not zstd"), 10).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut enc, bytes).unwrap();
+        enc.finish().unwrap()
+    }
+
+    #[test]
+    fn every_member_of_a_gzip_body_is_decoded() {
+        let body = [gzip(b"{\"a\":1}\n"), gzip(b"{\"b\":2}\n")].concat();
+        let out = decode(Some("gzip"), body.into(), 1000).unwrap();
+        assert_eq!(&out[..], b"{\"a\":1}\n{\"b\":2}\n");
+        assert_eq!(split(BodyFormat::Ndjson, &out, 10).unwrap().len(), 2);
+        // What follows a member and is not one is not ignored.
+        let body = [gzip(b"{\"a\":1}\n"), b"trailing bytes".to_vec()].concat();
+        let r = decode(Some("gzip"), body.into(), 1000).unwrap_err();
+        assert_eq!(r.reason, ReasonCode::MalformedBody);
+    }
+
+    #[test]
+    fn a_json_text_sequence_is_split_at_its_record_separators() {
+        assert_eq!(
+            body_format(Some("application/json-seq")).unwrap(),
+            BodyFormat::JsonSeq
+        );
+        let body = b"\x1e{\"a\":1}\n\x1e{\n  \"b\": 2\n}\n\x1e\n";
+        let events = split(BodyFormat::JsonSeq, body, 10).unwrap();
+        assert_eq!(events, vec![&b"{\"a\":1}"[..], &b"{\n  \"b\": 2\n}"[..]]);
+        for e in events {
+            serde_json::from_slice::<serde_json::Value>(e).unwrap();
+        }
+        let r = split(BodyFormat::JsonSeq, b"\x1e\n\x1e", 10).unwrap_err();
         assert_eq!(r.reason, ReasonCode::MalformedBody);
     }
 

@@ -131,6 +131,10 @@ pub struct Unavailable(pub String);
 struct Waiter {
     reply: oneshot::Sender<Result<Ack, Unavailable>>,
     outcome: Vec<Outcome>,
+    /// The group committing when this request was admitted, when some of its events are
+    /// answered `Duplicate` of an event in it while the request waits on a later group:
+    /// if that group fails, those events never land, so neither may this answer say so.
+    twins_in: Option<u64>,
 }
 
 struct Group {
@@ -412,6 +416,7 @@ impl Committer {
         let mut outcome = Vec::with_capacity(sub.events.len());
         let mut duplicates = 0u64;
         let mut wait_for: u64 = 0;
+        let mut twins_in: Option<u64> = None;
         let mut added = 0usize;
         for event in &sub.events {
             let id = identity(event.tenant.as_str(), event.event_id.as_str());
@@ -428,6 +433,7 @@ impl Committer {
                 }
                 Seen::InFlight(group) => {
                     wait_for = wait_for.max(group);
+                    twins_in = Some(twins_in.map_or(group, |g: u64| g.min(group)));
                     outcome.push(Outcome::Duplicate);
                     duplicates += 1;
                 }
@@ -445,6 +451,7 @@ impl Committer {
         let waiter = Waiter {
             reply: sub.reply,
             outcome,
+            twins_in: twins_in.filter(|g| *g < wait_for),
         };
         if self.open.builder.len() >= ENCODE_CHUNK_ROWS {
             self.encode_chunk().await;
@@ -648,8 +655,12 @@ impl Committer {
                 }
                 tracing::warn!(error = %e, "commit failed; retrying with the same identity");
                 if !e.retryable() {
-                    // The lake refused the batch itself: retrying cannot help.
+                    // The lake refused the batch itself: retrying cannot help. The batch is
+                    // given up, so nothing is left failing: the next group is admitted and
+                    // tried (were the flag kept, no request would be admitted, and no
+                    // commit would ever clear it).
                     self.fail_committing(&format!("the landing table refused the batch: {e}"));
+                    self.pipeline.store_failing.store(false, Ordering::Release);
                     return true;
                 }
                 return false;
@@ -727,6 +738,18 @@ impl Committer {
             for w in group.waiters {
                 let _ = w.reply.send(Err(Unavailable(why.to_string())));
             }
+            // Requests waiting on the open group that were told some of their events were
+            // in this one: those events did not land. Their own events of the open group
+            // still land; a retry finds them duplicates and lands the rest.
+            let (failed, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.open.waiters)
+                .into_iter()
+                .partition(|w| w.twins_in == Some(group.id));
+            self.open.waiters = waiting;
+            for w in failed {
+                let _ = w.reply.send(Err(Unavailable(format!(
+                    "{why} (it held this request's duplicates' twins)"
+                ))));
+            }
         }
         self.note_oldest();
     }
@@ -743,4 +766,125 @@ fn per_tenant(index: usize, bytes: usize, tenants: usize) -> Vec<usize> {
     let mut v = vec![0; tenants.max(index + 1)];
     v[index] = bytes;
     v
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use signalweave_model::{ErrorKind, Event, SchemaVersion};
+
+    use super::*;
+
+    fn event(id: &str) -> Event {
+        Event {
+            event_id: id.into(),
+            event_type: "order_placed".into(),
+            schema_version: SchemaVersion::new(1, 0, 0),
+            tenant: "t".into(),
+            producer_id: "p".into(),
+            producer_seq: 1,
+            event_time_us: 1_000_000,
+            ingest_time_us: 2_000_000,
+            partition_key: "k".into(),
+            order_id: None,
+            customer_id: None,
+            market_id: Some("m".into()),
+            business_version: 1,
+            amount_minor: Some(5),
+            currency: Some("EUR".into()),
+            attributes: None,
+        }
+    }
+
+    type Reply = oneshot::Receiver<Result<Ack, Unavailable>>;
+
+    async fn submit(c: &mut Committer, ids: &[&str]) -> Reply {
+        let (reply, rx) = oneshot::channel();
+        c.admit(Submission {
+            tenant_index: 0,
+            ingest_time_us: 2_000_000,
+            events: ids.iter().map(|id| event(id)).collect(),
+            bytes: 100,
+            evidence: None,
+            reply,
+        })
+        .await;
+        rx
+    }
+
+    async fn committer(dir: &std::path::Path) -> Committer {
+        let lake = Lake::open(signalweave_lake::LakeConfig::embedded(dir))
+            .await
+            .unwrap();
+        lake.init().await.unwrap();
+        let options = CommitterOptions {
+            writer_id: "w".into(),
+            interval: Duration::from_millis(10),
+            max_bytes: 1 << 20,
+            drain_timeout: Duration::from_secs(1),
+            tenants: 1,
+            maintain_every: 0,
+        };
+        Committer::new(
+            lake,
+            options,
+            Arc::new(Pipeline::new(1)),
+            Arc::new(Metrics::new()),
+            DedupIndex::new(60_000_000),
+        )
+    }
+
+    fn refused(kind: ErrorKind) -> CommitResult {
+        CommitResult {
+            events: Err(LakeError::new(kind, "refused")),
+            evidence_left: Vec::new(),
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_the_lake_refuses_fails_its_requests_and_those_told_their_events_were_in_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = committer(dir.path()).await;
+        // A lands in group 1, which starts committing; a request of A and B then finds A
+        // in flight and puts B in group 2.
+        let first = submit(&mut c, &["a"]).await;
+        drop(c.start_commit());
+        let mixed = submit(&mut c, &["a", "b"]).await;
+        let unrelated = submit(&mut c, &["c"]).await;
+
+        // A retryable failure keeps the group and refuses admission meanwhile.
+        assert!(!c.finish_commit(refused(ErrorKind::Unavailable)));
+        assert!(c.pipeline.store_failing.load(Ordering::Acquire));
+        assert!(c.committing.is_some());
+
+        // A refusal gives the group up: its request, and the one told A was a duplicate
+        // of it, are answered 503; the other waits for its own commit.
+        assert!(c.finish_commit(refused(ErrorKind::InvalidInput)));
+        let (mut first, mut mixed) = (first, mixed);
+        assert!(first.try_recv().unwrap().is_err());
+        assert!(mixed.try_recv().unwrap().is_err(), "A never landed");
+        assert!(
+            !c.pipeline.store_failing.load(Ordering::Acquire),
+            "nothing is left failing, so the next requests are admitted"
+        );
+        assert_eq!(c.open.waiters.len(), 1);
+        assert_eq!(
+            c.dedup
+                .check(identity("t", "a"), event("a").content_digest()),
+            Seen::New
+        );
+
+        // The retry of the mixed request lands A, and answers B a duplicate of group 2.
+        let retry = submit(&mut c, &["a", "b"]).await;
+        let mut unrelated = unrelated;
+        assert!(unrelated.try_recv().is_err(), "still waiting");
+        let result = c.start_commit().await;
+        assert!(c.finish_commit(result));
+        let ack = retry.await.unwrap().unwrap();
+        assert_eq!(ack.outcome, vec![Outcome::Accepted, Outcome::Duplicate]);
+        assert!(ack.snapshot_id.is_some());
+        assert!(unrelated.await.unwrap().is_ok());
+    }
 }
