@@ -610,19 +610,26 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     );
 
     // Promotion: the current view and the serving API take the range from the namespace.
+    let before_promotion = chrono::Utc::now();
+    std::thread::sleep(Duration::from_millis(20));
     ok(backfill_cmd(&lake, "promote", "fix_lateness"));
-    let by_ns = |lake: &Path| {
-        sql(
-            lake,
-            &format!(
-                "select namespace, count(*) n from signalweave.market_aggregates_current \
-                 where window_start >= '{FROM}' and window_start < '{TO}' group by namespace"
-            ),
-        )
-    };
+    let by_ns_query = format!(
+        "select namespace, count(*) n from signalweave.market_aggregates_current \
+         where window_start >= '{FROM}' and window_start < '{TO}' group by namespace"
+    );
+    let by_ns = |lake: &Path| sql(lake, &by_ns_query);
     let rows = by_ns(&lake);
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0]["namespace"], "fix_lateness");
+    // Read as of a moment before it, the view is as it was then.
+    let as_of = ok(sw(&lake)
+        .args(["sql", &by_ns_query, "--format", "json", "--as-of"])
+        .arg(before_promotion.to_rfc3339())
+        .output()
+        .unwrap());
+    let rows: Vec<Value> = serde_json::from_str(&as_of).unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["namespace"], "live", "{rows:?}");
     let twice = backfill_cmd(&lake, "promote", "fix_lateness");
     assert_eq!(twice.status.code(), Some(3), "{twice:?}");
 

@@ -4,8 +4,11 @@
 //! promoted. A promotion (`sw_promotions`, in the catalog database) says: for windows of
 //! `job` starting in `[from, to)`, the current version is the one in `namespace`'s output
 //! table, not the live one. It records who promoted, when, and the job version. A later
-//! promotion that overlaps an earlier one wins on the overlap. A rollback marks the
-//! promotion rolled back (who, when); the row stays as evidence.
+//! promotion that overlaps an earlier one wins on the overlap: later by the order the
+//! database recorded them in (`seq`), not by the promoting hosts' clocks. A namespace has
+//! at most one active promotion per job, which a unique index holds against concurrent
+//! promotions. A rollback marks the promotion rolled back (who, when); the row stays as
+//! evidence.
 //!
 //! The SQL view `<output>_current` ([`crate::sql`]) and the serving API honour the active
 //! promotions.
@@ -42,12 +45,22 @@ pub struct Promotion {
     pub rolled_back_by: Option<String>,
     /// When, ms since the epoch.
     pub rolled_back_ms: Option<i64>,
+    /// Its place in the order promotions were recorded (None: recorded before the order
+    /// was kept, so before every promotion that has one).
+    pub seq: Option<i64>,
 }
 
 impl Promotion {
     /// True unless rolled back.
     pub fn active(&self) -> bool {
         self.rolled_back_ms.is_none()
+    }
+
+    /// True when it was in force at `ms` (ms since the epoch): recorded by then, and not
+    /// rolled back by then. (Recorded on the promoting host's clock, as the snapshots'
+    /// times are on the committing host's.)
+    pub fn active_at(&self, ms: i64) -> bool {
+        self.promoted_ms <= ms && self.rolled_back_ms.is_none_or(|r| r > ms)
     }
 
     /// True when the promotion covers windows starting at `window_start_us`.
@@ -89,6 +102,64 @@ impl Lake {
         .execute(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("create sw_promotions", e))?;
+        self.migrate_promotions().await
+    }
+
+    /// Brings an `sw_promotions` made by an earlier version up to date: the `seq` column
+    /// and the two unique indexes (one order; one active promotion per namespace). What is
+    /// there is read first, in one query each, so DDL runs only when something is missing.
+    async fn migrate_promotions(&self) -> Result<()> {
+        let sqlite = self.config().is_sqlite();
+        let has_seq = sqlx::query("SELECT seq FROM sw_promotions WHERE 1 = 0")
+            .execute(self.control_pool())
+            .await
+            .is_ok();
+        if !has_seq {
+            let add = if sqlite {
+                "ALTER TABLE sw_promotions ADD COLUMN seq BIGINT"
+            } else {
+                "ALTER TABLE sw_promotions ADD COLUMN IF NOT EXISTS seq BIGINT"
+            };
+            let added = sqlx::query(add).execute(self.control_pool()).await;
+            // Another process may have added it meanwhile.
+            if let Err(e) = added
+                && sqlx::query("SELECT seq FROM sw_promotions WHERE 1 = 0")
+                    .execute(self.control_pool())
+                    .await
+                    .is_err()
+            {
+                return Err(LakeError::sql("add sw_promotions.seq", e));
+            }
+        }
+        let indexes: Vec<String> = sqlx::query_scalar(if sqlite {
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'sw_promotions'"
+        } else {
+            "SELECT CAST(indexname AS TEXT) FROM pg_indexes WHERE schemaname = current_schema() \
+             AND tablename = 'sw_promotions'"
+        })
+        .fetch_all(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("look for sw_promotions' indexes", e))?;
+        for (name, ddl) in [
+            (
+                "sw_promotions_order",
+                "CREATE UNIQUE INDEX IF NOT EXISTS sw_promotions_order ON sw_promotions (catalog_name, seq)",
+            ),
+            (
+                "sw_promotions_one_active",
+                "CREATE UNIQUE INDEX IF NOT EXISTS sw_promotions_one_active ON sw_promotions \
+                 (catalog_name, job, namespace) WHERE rolled_back_ms IS NULL",
+            ),
+        ] {
+            if indexes.iter().any(|i| i == name) {
+                continue;
+            }
+            if let Err(e) = sqlx::query(ddl).execute(self.control_pool()).await {
+                // Two active promotions of one namespace, recorded by concurrent promotions
+                // before the index: the lake still opens; rolling one back lets it be made.
+                tracing::warn!(index = name, error = %e, "sw_promotions: index not made");
+            }
+        }
         Ok(())
     }
 
@@ -97,8 +168,8 @@ impl Lake {
     pub async fn promotions(&self, job: Option<&str>) -> Result<Vec<Promotion>> {
         let sql = self.control_sql(
             "SELECT job, namespace, job_version, live_table, namespace_table, from_us, to_us, promoted_by, promoted_ms, \
-             rolled_back_by, rolled_back_ms FROM sw_promotions WHERE catalog_name = $1 \
-             AND ($2 = '' OR job = $3) ORDER BY promoted_ms, namespace",
+             rolled_back_by, rolled_back_ms, seq FROM sw_promotions WHERE catalog_name = $1 \
+             AND ($2 = '' OR job = $3) ORDER BY COALESCE(seq, 0), promoted_ms, namespace",
         );
         let job = job.unwrap_or("");
         let rows = sqlx::query(&sql)
@@ -122,6 +193,7 @@ impl Lake {
                     promoted_ms: r.try_get("promoted_ms")?,
                     rolled_back_by: r.try_get("rolled_back_by")?,
                     rolled_back_ms: r.try_get("rolled_back_ms")?,
+                    seq: r.try_get("seq")?,
                 })
             })
             .collect::<std::result::Result<_, sqlx::Error>>()
@@ -138,8 +210,9 @@ impl Lake {
             .collect())
     }
 
-    /// Records `promotion` (its rollback fields are ignored). Fails with `Conflict` when
-    /// the namespace already has an active promotion of the same job.
+    /// Records `promotion` (its rollback fields and `seq` are ignored: it is placed after
+    /// every promotion recorded). Fails with `Conflict` when the namespace already has an
+    /// active promotion of the same job, also when another is being recorded at once.
     pub async fn promote(&self, promotion: &Promotion) -> Result<()> {
         if promotion.namespace == "live" {
             return Err(LakeError::new(
@@ -172,26 +245,56 @@ impl Lake {
                 ),
             ));
         }
+        // The next place in the order, taken in the insert itself; two promotions taking
+        // the same place at once collide on the order's index, and the loser takes the next.
         let sql = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
-             namespace_table, from_us, to_us, promoted_by, promoted_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+             namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE(MAX(seq), 0) + 1 \
+             FROM sw_promotions WHERE catalog_name = $11",
         );
-        sqlx::query(&sql)
-            .bind(self.config().catalog_name.as_str())
-            .bind(&promotion.job)
-            .bind(&promotion.namespace)
-            .bind(i64::from(promotion.job_version))
-            .bind(&promotion.live_table)
-            .bind(&promotion.table)
-            .bind(promotion.from_us)
-            .bind(promotion.to_us)
-            .bind(&promotion.promoted_by)
-            .bind(promotion.promoted_ms)
-            .execute(self.control_pool())
-            .await
-            .map_err(|e| LakeError::sql("record a promotion", e))?;
-        Ok(())
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let recorded = sqlx::query(&sql)
+                .bind(self.config().catalog_name.as_str())
+                .bind(&promotion.job)
+                .bind(&promotion.namespace)
+                .bind(i64::from(promotion.job_version))
+                .bind(&promotion.live_table)
+                .bind(&promotion.table)
+                .bind(promotion.from_us)
+                .bind(promotion.to_us)
+                .bind(&promotion.promoted_by)
+                .bind(promotion.promoted_ms)
+                .bind(self.config().catalog_name.as_str())
+                .execute(self.control_pool())
+                .await;
+            let e = match recorded {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
+            let unique = e
+                .as_database_error()
+                .is_some_and(|d| d.is_unique_violation());
+            if !unique {
+                return Err(LakeError::sql("record a promotion", e));
+            }
+            let active = self
+                .active_promotions(&promotion.job)
+                .await?
+                .into_iter()
+                .any(|p| p.namespace == promotion.namespace);
+            if active || attempt >= 5 {
+                return Err(LakeError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "namespace `{}` of {} was promoted concurrently: {e}",
+                        promotion.namespace, promotion.job
+                    ),
+                ));
+            }
+        }
     }
 
     /// Rolls back the active promotion of `namespace` for `job`, recording who and when.
@@ -243,6 +346,8 @@ impl Lake {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     fn p(ns: &str, from: i64, to: i64, rolled_back: bool) -> Promotion {
@@ -258,7 +363,70 @@ mod tests {
             promoted_ms: 0,
             rolled_back_by: None,
             rolled_back_ms: rolled_back.then_some(1),
+            seq: None,
         }
+    }
+
+    #[tokio::test]
+    async fn promotions_are_ordered_as_recorded_and_one_is_active_per_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let lake = Lake::open(crate::LakeConfig::embedded(dir.path()))
+            .await
+            .unwrap();
+        lake.init().await.unwrap();
+        // B is recorded after A from a host whose clock is behind: B still wins.
+        let a = Promotion {
+            promoted_ms: 2_000,
+            ..p("a", 0, 100, false)
+        };
+        let b = Promotion {
+            promoted_ms: 1_000,
+            ..p("b", 50, 150, false)
+        };
+        lake.promote(&a).await.unwrap();
+        lake.promote(&b).await.unwrap();
+        let held = lake.active_promotions("j").await.unwrap();
+        assert_eq!(
+            held.iter()
+                .map(|p| (p.namespace.as_str(), p.seq))
+                .collect::<Vec<_>>(),
+            vec![("a", Some(1)), ("b", Some(2))]
+        );
+        assert_eq!(authoritative(&held, 60), "b");
+        assert_eq!(authoritative(&held, 10), "a");
+        let twice = lake.promote(&a).await.unwrap_err();
+        assert_eq!(twice.kind(), ErrorKind::Conflict);
+        // A second active row for `a`, as a concurrent promotion would have inserted past
+        // the check, is refused by the database itself.
+        let raw = lake.control_sql(
+            "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
+             namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
+             VALUES ($1, 'j', 'a', 2, 't', 't__a', 0, 100, 't', 3000, 9)",
+        );
+        let e = sqlx::query(&raw)
+            .bind(lake.config().catalog_name.as_str())
+            .execute(lake.control_pool())
+            .await
+            .unwrap_err();
+        assert!(
+            e.as_database_error()
+                .is_some_and(|d| d.is_unique_violation()),
+            "{e}"
+        );
+        // Rolled back, it may be promoted again, after B.
+        let rolled = lake.rollback_promotion("j", "a", "t").await.unwrap();
+        assert!(rolled.active_at(2_000) && !rolled.active_at(1_999));
+        let back_at = rolled.rolled_back_ms.unwrap();
+        assert!(rolled.active_at(back_at - 1) && !rolled.active_at(back_at));
+        lake.promote(&Promotion {
+            promoted_ms: 3_000,
+            ..a.clone()
+        })
+        .await
+        .unwrap();
+        let held = lake.active_promotions("j").await.unwrap();
+        assert_eq!(authoritative(&held, 60), "a");
+        assert_eq!(held.last().unwrap().seq, Some(3));
     }
 
     #[test]

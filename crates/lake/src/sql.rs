@@ -44,7 +44,7 @@ impl Lake {
             .into_iter()
             .map(|t| (t, SnapshotChoice::Current))
             .collect();
-        self.context_with(&choices).await
+        self.context_with(&choices, None).await
     }
 
     async fn all_tables(&self) -> Result<Vec<LakeTable>> {
@@ -53,10 +53,15 @@ impl Lake {
         Ok(tables)
     }
 
-    /// A session whose tables are pinned as `as_of` says.
+    /// A session whose tables are pinned as `as_of` says. The `_current` views honour the
+    /// promotions in force at that moment (of a snapshot id: when that snapshot was made).
     pub async fn session_context_as_of(&self, as_of: AsOf) -> Result<SessionContext> {
         let mut choices = Vec::new();
         let mut pinned_any = false;
+        let mut moment = match as_of {
+            AsOf::Timestamp(ms) => Some(ms),
+            AsOf::Snapshot(_) => None,
+        };
         for table in self.all_tables().await? {
             let choice = match as_of {
                 // A table whose snapshot of that moment is expired fails when read, not
@@ -69,8 +74,9 @@ impl Lake {
                 },
                 AsOf::Snapshot(id) => {
                     let t = self.table(table).await?;
-                    if t.metadata().snapshot_by_id(id).is_some() {
+                    if let Some(snapshot) = t.metadata().snapshot_by_id(id) {
                         pinned_any = true;
+                        moment.get_or_insert(snapshot.timestamp_ms());
                         SnapshotChoice::At(id)
                     } else {
                         SnapshotChoice::Current
@@ -87,12 +93,15 @@ impl Lake {
                 format!("no table retains snapshot {id}"),
             ));
         }
-        self.context_with(&choices).await
+        self.context_with(&choices, moment).await
     }
 
+    /// A session over `choices`; the `_current` views honour the promotions in force at
+    /// `moment` (ms since the epoch; None: now).
     async fn context_with(
         &self,
         choices: &[(LakeTable, SnapshotChoice)],
+        moment: Option<i64>,
     ) -> Result<SessionContext> {
         let config = SessionConfig::new()
             .with_default_catalog_and_schema(SQL_CATALOG, NAMESPACE)
@@ -127,7 +136,9 @@ impl Lake {
             let promoted: Vec<&Promotion> = promotions
                 .iter()
                 .filter(|p| {
-                    p.active() && p.live_table == name && registered.contains(&p.table.as_str())
+                    moment.map_or(p.active(), |ms| p.active_at(ms))
+                        && p.live_table == name
+                        && registered.contains(&p.table.as_str())
                 })
                 .collect();
             ctx.sql(&format!(

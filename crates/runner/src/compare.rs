@@ -304,7 +304,8 @@ pub async fn compare(
 }
 
 /// Promotes a completed backfill: its namespace becomes authoritative for the windows
-/// starting in its range, except the `partial` ones at its end. Requires the namespace's
+/// starting in its range, up to the first window (of either version) that is not final in
+/// it: one crossing the range's end or the input's watermark, or `partial`. Requires the namespace's
 /// outputs to have the live outputs' columns (the serving API and the current view show
 /// one schema per job).
 pub async fn promote(
@@ -335,28 +336,70 @@ pub async fn promote(
             ),
         ));
     }
-    // Partial windows (crossing the range's end, or beyond the input's watermark) are not
-    // authoritative: the promotion stops at the first.
+    // What the namespace is authoritative for ends where its windows stop being final:
+    // at the range's end, or at the input's watermark where that is earlier (each row
+    // carries the lesser of its sub-range's end and that watermark; a range whose last
+    // sub-ranges held no events ends earlier, which only leaves more to the live outputs).
+    // A window crossing that point is `partial` in the namespace, or missing from it where
+    // its key had no events before the point, while the live outputs hold it whole: so
+    // the promotion stops at the earliest start of a window (of either version) crossing
+    // the point, and at the first partial window (a session's bounds are its events').
     let ns_table = record.output_table(spec)?;
     lake.ensure_output_table(ns_table).await?;
-    let first_partial = lake
+    let bounds = lake
         .session_context()
         .await?
         .sql(&format!(
-            "SELECT min(arrow_cast(window_start, 'Int64')) AS s FROM {} WHERE completeness = 'partial'",
+            "SELECT min(CASE WHEN completeness = 'partial' THEN arrow_cast(window_start, 'Int64') END) AS p, \
+             max(arrow_cast(watermark, 'Int64')) AS w FROM {}",
             ns_table.name()
         ))
         .await
         .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?
         .collect()
         .await
-        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?
-        .first()
-        .and_then(|b| {
-            let c = b.column(0).as_primitive_opt::<arrow::datatypes::Int64Type>()?;
+        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?;
+    let value = |column: usize| {
+        bounds.first().and_then(|b| {
+            let c = b
+                .column(column)
+                .as_primitive_opt::<arrow::datatypes::Int64Type>()?;
             (!c.is_empty() && !c.is_null(0)).then(|| c.value(0))
-        });
-    let to_us = first_partial.map_or(record.to_us, |p| p.min(record.to_us));
+        })
+    };
+    let (first_partial, watermark) = (value(0), value(1));
+    let Some(watermark) = watermark else {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "the backfill in `{}` wrote no outputs: there is nothing to promote",
+                record.namespace
+            ),
+        ));
+    };
+    let end = record.to_us.min(watermark);
+    let to_us = [
+        Some(end),
+        first_partial,
+        live.window.starts_ending_by(end),
+        spec.window.starts_ending_by(end),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .unwrap_or(end);
+    if to_us <= record.from_us {
+        return Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "no window of the backfill in `{}` is final: its outputs end at {} \
+                 (the input's watermark or the range's end), before any window after {} ends",
+                record.namespace,
+                format_rfc3339_micros(end),
+                format_rfc3339_micros(record.from_us),
+            ),
+        ));
+    }
     let live_table = output_table(live, "live")?;
     let promotion = Promotion {
         job: record.job.clone(),
@@ -370,6 +413,7 @@ pub async fn promote(
         promoted_ms: chrono::Utc::now().timestamp_millis(),
         rolled_back_by: None,
         rolled_back_ms: None,
+        seq: None,
     };
     lake.promote(&promotion).await?;
     tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, "namespace promoted");

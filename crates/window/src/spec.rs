@@ -155,6 +155,28 @@ impl WindowSpec {
             WindowSpec::Session { gap } => micros(*gap),
         }
     }
+
+    /// The start below which every window ends at or before `t` (µs): the earliest start
+    /// of a window crossing `t`, or `t` when none crosses it. None for sessions, whose
+    /// bounds depend on their events.
+    pub fn starts_ending_by(&self, t: i64) -> Option<i64> {
+        let (size, slide) = match self {
+            WindowSpec::Tumbling { size } => (micros(*size), micros(*size)),
+            WindowSpec::Sliding { size, slide } => (micros(*size), micros(*slide)),
+            WindowSpec::Session { .. } => return None,
+        };
+        if slide <= 0 {
+            return None;
+        }
+        // Windows start at multiples of the slide; the first crossing `t` is the first
+        // that ends after it.
+        let start = t
+            .saturating_sub(size)
+            .div_euclid(slide)
+            .saturating_add(1)
+            .saturating_mul(slide);
+        Some(start.min(t))
+    }
 }
 
 /// Triggers.
@@ -416,5 +438,32 @@ impl JobSpec {
             return Err(invalid("output.table", "must be set"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_windows_that_end_by_a_time_are_those_starting_before_a_bound() {
+        let min = |m: u64| Duration::from_secs(60 * m);
+        let us = |m: i64| m * 60_000_000;
+        let tumbling = WindowSpec::Tumbling { size: min(1) };
+        assert_eq!(tumbling.starts_ending_by(us(60)), Some(us(60)));
+        // [60m, 61m) crosses 60m30s.
+        assert_eq!(tumbling.starts_ending_by(us(60) + 30_000_000), Some(us(60)));
+        let sliding = WindowSpec::Sliding {
+            size: min(10),
+            slide: min(1),
+        };
+        // [51m, 61m) is the first to end after 60m; [50m, 60m) ends at it.
+        assert_eq!(sliding.starts_ending_by(us(60)), Some(us(51)));
+        assert_eq!(sliding.starts_ending_by(us(60) + 1), Some(us(51)));
+        assert_eq!(sliding.starts_ending_by(us(-60)), Some(us(-69)));
+        let session = WindowSpec::Session { gap: min(5) };
+        assert_eq!(session.starts_ending_by(us(60)), None);
+        assert!(tumbling.starts_ending_by(i64::MAX).is_some());
+        assert!(sliding.starts_ending_by(i64::MIN).is_some());
     }
 }
