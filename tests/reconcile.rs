@@ -127,6 +127,16 @@ fn reconcile_job(lake: &Path, out: &Path, job: &str, namespace: &str) -> (i32, V
     (code, serde_json::from_str(&json).unwrap())
 }
 
+/// The kinds of a report's findings.
+fn finding_kinds(r: &Value) -> Vec<&str> {
+    r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["kind"].as_str().unwrap())
+        .collect()
+}
+
 fn u(v: &Value, path: &str) -> u64 {
     v.pointer(path)
         .and_then(Value::as_u64)
@@ -135,13 +145,30 @@ fn u(v: &Value, path: &str) -> u64 {
 
 /// Appends one more version of an existing window with one event too many.
 fn tamper(lake: &Path) -> (String, String) {
+    tamper_with(lake, 0, 1, Completeness::Corrected, 1, 1)
+}
+
+/// Appends a version of the `nth` closed window of the live outputs (from 01:00, by start
+/// and key): its current version plus `step`, with `completeness`, and its events and
+/// `placed_count` plus `more`, under commit `commit`.
+fn tamper_with(
+    lake: &Path,
+    nth: usize,
+    step: u32,
+    completeness: Completeness,
+    more: i64,
+    commit: u64,
+) -> (String, String) {
     let spec = JobSpec::from_file(support::repo().join("jobs/market_aggregates.toml")).unwrap();
     let row = &sql(
         lake,
-        "SELECT key, CAST(window_start AS BIGINT) AS ws, CAST(window_end AS BIGINT) AS we, output_version, \
-         events, placed_count, placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, \
-         cancelled_amount_minor FROM signalweave.market_aggregates_current \
-         WHERE window_start >= TIMESTAMP '2026-01-01T01:00:00Z' ORDER BY window_start, key LIMIT 1",
+        &format!(
+            "SELECT key, CAST(window_start AS BIGINT) AS ws, CAST(window_end AS BIGINT) AS we, output_version, \
+             events, placed_count, placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, \
+             cancelled_amount_minor FROM signalweave.market_aggregates_current \
+             WHERE window_start >= TIMESTAMP '2026-01-01T01:00:00Z' ORDER BY window_start, key \
+             LIMIT 1 OFFSET {nth}"
+        ),
     )[0];
     let i = |k: &str| row[k].as_i64();
     let value = |k: &str| i(k).map(AggValue::Int).unwrap_or(AggValue::Null);
@@ -149,16 +176,16 @@ fn tamper(lake: &Path) -> (String, String) {
         key: row["key"].as_str().unwrap().into(),
         window_start: i("ws").unwrap(),
         window_end: i("we").unwrap(),
-        output_version: i("output_version").unwrap() as u32 + 1,
-        completeness: Completeness::Corrected,
+        output_version: i("output_version").unwrap() as u32 + step,
+        completeness,
         retracted: false,
         watermark: i("we").unwrap(),
         emitted_at: i("we").unwrap(),
         first_event_time: i("ws").unwrap(),
         last_event_time: i("ws").unwrap(),
-        events: i("events").unwrap() + 1,
+        events: i("events").unwrap() + more,
         values: vec![
-            AggValue::Int(i("placed_count").unwrap() + 1),
+            AggValue::Int(i("placed_count").unwrap() + more),
             value("placed_amount_minor"),
             value("paid_count"),
             value("paid_amount_minor"),
@@ -176,7 +203,7 @@ fn tamper(lake: &Path) -> (String, String) {
         let batch =
             arrow::array::RecordBatch::try_new(table.arrow_schema(), batch.columns().to_vec())
                 .unwrap();
-        lake.append(table, &[batch], &CommitIdentity::new("test-tamper", 1))
+        lake.append(table, &[batch], &CommitIdentity::new("test-tamper", commit))
             .await
             .unwrap();
     });
@@ -327,12 +354,7 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
         .map(|c| c[0].as_str().unwrap())
         .collect();
     assert_eq!(cols, ["events", "placed_count"], "{d}");
-    let kinds: Vec<&str> = r["findings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f["kind"].as_str().unwrap())
-        .collect();
+    let kinds = finding_kinds(&r);
     assert!(
         kinds.contains(&"window_mismatch") && kinds.contains(&"unaccounted_events"),
         "{kinds:?}"
@@ -342,6 +364,29 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
     let _ = ws;
     let html = std::fs::read_to_string(dir.path().join("report-wrong/report.html")).unwrap();
     assert!(html.contains("MISMATCH") && html.contains(&key));
+
+    // A closed window whose current version is provisional (its final version lost), and
+    // a version written twice, are found too, whatever their values.
+    let (stale, _) = tamper_with(&lake, 1, 1, Completeness::Provisional, 0, 2);
+    tamper_with(&lake, 2, 0, Completeness::OnTime, 0, 3);
+    let (code, r) = reconcile(&lake, &dir.path().join("report-stale"), "live");
+    assert_eq!(code, 1);
+    assert_eq!(u(&r, "/windows/mismatched"), 1, "{}", r["windows"]);
+    assert_eq!(u(&r, "/windows/not_final"), 1, "{}", r["windows"]);
+    assert_eq!(u(&r, "/windows/versions_repeated"), 1, "{}", r["windows"]);
+    let stale_row = r["differences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["status"] == "not_final")
+        .unwrap();
+    assert_eq!(stale_row["key"], stale.as_str(), "{stale_row}");
+    assert_eq!(stale_row["completeness"], "provisional", "{stale_row}");
+    let kinds = finding_kinds(&r);
+    assert!(
+        kinds.contains(&"window_not_final") && kinds.contains(&"version_repeated"),
+        "{kinds:?}"
+    );
 
     // A backfill namespace, before its promotion.
     ok(sw(&lake)
@@ -366,6 +411,7 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
     assert_eq!(code, 0, "findings: {} {}", r["findings"], r["late"]);
     assert_eq!(r["output_table"], "market_aggregates__bf_audit_me");
     assert!(u(&r, "/windows/matched") > 500);
+    let r_backfill = r;
 
     // Sliding windows (customer_features) and session windows (withdrawals, late events
     // bridging sessions included) reconcile too.
@@ -434,6 +480,27 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("RFC 3339"));
     assert!(!dir.path().join("report-bad").exists());
+
+    // An event landed after the backfill read its snapshot is not held against it: the
+    // oracle reads the snapshot the backfill read.
+    let pinned = r_backfill["rule"]["events_snapshot"].clone();
+    let after = dir.path().join("after.ndjson");
+    let history = std::fs::read_to_string(dir.path().join("history.ndjson")).unwrap();
+    let mut event: Value = serde_json::from_str(history.lines().nth(100).unwrap()).unwrap();
+    event["event_id"] = "ev-after-1".into();
+    event["event_time"] = "2026-01-01T01:30:00Z".into();
+    std::fs::write(&after, event.to_string() + "\n").unwrap();
+    let landed: Value = serde_json::from_str(&ok(sw(&lake)
+        .arg("load")
+        .arg(&after)
+        .args(["--format", "json"])
+        .output()
+        .unwrap()))
+    .unwrap();
+    assert_eq!(landed["accepted"], 1, "{landed}");
+    let (code, r) = reconcile(&lake, &dir.path().join("report-bf-after"), "audit_me");
+    assert_eq!(code, 0, "findings: {} {}", r["findings"], r["late"]);
+    assert_eq!(r["rule"]["events_snapshot"], pinned);
 }
 
 /// A window the job has not closed is not compared, even where its provisional values

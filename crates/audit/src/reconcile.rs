@@ -53,13 +53,17 @@ pub struct ReconcileRequest {
     /// How many entries of each list the report keeps (differences, duplicates, late
     /// discrepancies); the counts are always complete.
     pub list_limit: usize,
+    /// The snapshot of the landing table the outputs were computed from (a backfill's
+    /// pin); None: the current one.
+    pub events_snapshot: Option<i64>,
 }
 
 /// One kind of finding: the oracle and the outputs disagree, or an event is unaccounted.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Finding {
-    /// `window_mismatch`, `window_missing`, `window_extra`, `late_not_routed`,
-    /// `routed_late_but_counted`, `unaccounted_events`.
+    /// `window_mismatch`, `window_missing`, `window_extra`, `window_not_final`,
+    /// `version_repeated`, `late_not_routed`, `routed_late_but_counted`,
+    /// `unaccounted_events`.
     pub kind: String,
     /// How many.
     pub count: u64,
@@ -80,9 +84,16 @@ pub struct WindowFigures {
     pub missing: u64,
     /// In the outputs only (closed windows).
     pub extra: u64,
-    /// Not final yet: the job's watermark has not passed the window's end, or the output
-    /// is `partial` (a backfill's edge). Differences there are not findings.
+    /// Not final yet: the job's watermark has not passed the window's end. Differences
+    /// there are not findings.
     pub pending: u64,
+    /// Closed (the job's watermark passed the window's end), yet the current version is
+    /// `provisional` or `partial`: the final version the job emits at its watermark is
+    /// missing (a lost commit), whatever its values.
+    pub not_final: u64,
+    /// Identities of the range with an output version written more than once (a
+    /// committed version has one row; a replay must be skipped, not appended again).
+    pub versions_repeated: u64,
 }
 
 /// A window where the outputs and the oracle differ.
@@ -94,7 +105,7 @@ pub struct WindowDifference {
     pub window_start: String,
     /// Window end (RFC 3339).
     pub window_end: String,
-    /// `mismatched`, `missing` or `extra`.
+    /// `mismatched`, `missing`, `extra` or `not_final`.
     pub status: String,
     /// Current output version (None when missing).
     pub output_version: Option<i64>,
@@ -504,12 +515,16 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let from = request.from_us - request.from_us.rem_euclid(rules.slide);
     let to = request.to_us;
     let ctx = lake.session_context().await?;
-    // The oracle reads one snapshot of the landing table, with each row's commit order.
-    let events_snapshot = lake
-        .snapshots(LakeTable::Events)
-        .await?
-        .last()
-        .map(|s| s.snapshot_id);
+    // The oracle reads one snapshot of the landing table, with each row's commit order:
+    // the one the outputs were computed from, when known.
+    let events_snapshot = match request.events_snapshot {
+        Some(id) => Some(id),
+        None => lake
+            .snapshots(LakeTable::Events)
+            .await?
+            .last()
+            .map(|s| s.snapshot_id),
+    };
     let choice = match events_snapshot {
         Some(id) => SnapshotChoice::At(id),
         None => SnapshotChoice::Empty,
@@ -816,8 +831,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         &format!(
             "CREATE TABLE audit_status AS SELECT coalesce(o.key, r.key) AS key, coalesce(o.ws, r.ws) AS ws, \
              coalesce(o.we, r.we) AS we, o.output_version, o.completeness, {pairs}, \
-             CASE WHEN o.completeness IN ('partial', 'provisional') \
-                       OR coalesce(o.we, r.we) > {open_after} THEN 'pending' \
+             CASE WHEN coalesce(o.we, r.we) > {open_after} THEN 'pending' \
+                  WHEN o.completeness IN ('partial', 'provisional') THEN 'not_final' \
                   WHEN o.key IS NOT NULL AND r.key IS NOT NULL AND {same} THEN 'matched' \
                   WHEN o.key IS NULL THEN 'missing' \
                   WHEN r.key IS NULL THEN 'extra' \
@@ -834,7 +849,20 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
          sum(CASE WHEN status = 'mismatched' THEN 1 ELSE 0 END), \
          sum(CASE WHEN status = 'missing' THEN 1 ELSE 0 END), \
          sum(CASE WHEN status = 'extra' THEN 1 ELSE 0 END), \
-         sum(CASE WHEN status = 'pending' THEN 1 ELSE 0 END) FROM audit_status",
+         sum(CASE WHEN status = 'pending' THEN 1 ELSE 0 END), \
+         sum(CASE WHEN status = 'not_final' THEN 1 ELSE 0 END) FROM audit_status",
+    )
+    .await?;
+    let repeated = one_row(
+        &ctx,
+        "repeated versions",
+        &format!(
+            "SELECT count(*) FROM (SELECT key, window_start, window_end FROM {SQL_CATALOG}.{NAMESPACE}.{out} \
+             WHERE window_start >= {from_ts} AND window_start < {to_ts} \
+             GROUP BY key, window_start, window_end, output_version HAVING count(*) > 1) x",
+            from_ts = ts_literal(from),
+            to_ts = ts_literal(to),
+        ),
     )
     .await?;
     let get = |v: &[i64], i: usize| v.get(i).copied().unwrap_or(0).max(0) as u64;
@@ -845,6 +873,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         missing: get(&w, 3),
         extra: get(&w, 4),
         pending: get(&w, 5),
+        not_final: get(&w, 6),
+        versions_repeated: get(&repeated, 0),
     };
     let differences = differences(&ctx, spec, request.list_limit).await?;
 
@@ -871,7 +901,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
             "SELECT sum(CASE WHEN bad > 0 THEN 1 ELSE 0 END), \
                     sum(CASE WHEN bad = 0 AND pending > 0 THEN 1 ELSE 0 END), \
                     sum(CASE WHEN bad = 0 AND pending = 0 THEN 1 ELSE 0 END) FROM ( \
-               SELECT m.rid, max(CASE WHEN s.status IN ('mismatched', 'missing', 'extra') THEN 1 ELSE 0 END) AS bad, \
+               SELECT m.rid, max(CASE WHEN s.status IN ('mismatched', 'missing', 'extra', 'not_final') THEN 1 ELSE 0 END) AS bad, \
                       max(CASE WHEN s.status = 'pending' THEN 1 ELSE 0 END) AS pending \
                FROM audit_membership m JOIN audit_classified c ON c.rid = m.rid \
                JOIN audit_status s ON s.key = m.key AND s.ws = m.ws \
@@ -1026,6 +1056,18 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         "closed windows in the outputs that the oracle does not find".into(),
     );
     find(
+        "window_not_final",
+        windows.not_final,
+        "closed windows whose current version is provisional or partial: the final version \
+         is missing"
+            .into(),
+    );
+    find(
+        "version_repeated",
+        windows.versions_repeated,
+        "output identities with an output version written more than once".into(),
+    );
+    find(
         "late_not_routed",
         late.not_routed_count,
         "events late by the oracle that are not in late_events".into(),
@@ -1081,7 +1123,7 @@ async fn differences(
         ctx,
         "differences",
         &format!(
-            "SELECT * FROM audit_status WHERE status IN ('mismatched', 'missing', 'extra') ORDER BY ws, key LIMIT {limit}"
+            "SELECT * FROM audit_status WHERE status IN ('mismatched', 'missing', 'extra', 'not_final') ORDER BY ws, key LIMIT {limit}"
         ),
     )
     .await?;
@@ -1419,7 +1461,7 @@ async fn timeline(
         ctx,
         "timeline differences",
         &format!(
-            "SELECT {b}, count(*) FROM audit_status WHERE status IN ('mismatched', 'missing', 'extra') GROUP BY 1",
+            "SELECT {b}, count(*) FROM audit_status WHERE status IN ('mismatched', 'missing', 'extra', 'not_final') GROUP BY 1",
             b = bucket("ws")
         ),
     )

@@ -146,8 +146,15 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(s, "## Windows\n");
     let _ = writeln!(
         s,
-        "| compared | matched | mismatched | missing | extra | pending |\n|---:|---:|---:|---:|---:|---:|\n| {} | {} | {} | {} | {} | {} |\n",
-        w.compared, w.matched, w.mismatched, w.missing, w.extra, w.pending
+        "| compared | matched | mismatched | missing | extra | not final | pending | versions repeated |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+        w.compared,
+        w.matched,
+        w.mismatched,
+        w.missing,
+        w.extra,
+        w.not_final,
+        w.pending,
+        w.versions_repeated
     );
     if !r.differences.is_empty() {
         let _ = writeln!(
@@ -509,7 +516,7 @@ pub fn html(r: &Report) -> Result<String> {
             .map(|b| b.start.get(5..16).unwrap_or(&b.start).to_string())
             .collect::<Vec<_>>(),
         &[(
-            "mismatched / missing / extra",
+            "mismatched / missing / extra / not final",
             RGBColor(200, 60, 60),
             r.timeline
                 .iter()
@@ -612,9 +619,16 @@ pub fn html(r: &Report) -> Result<String> {
     let w = &r.windows;
     let _ = writeln!(
         s,
-        "<h2>Windows</h2>\n<table id=\"windows\"><tr><th>compared</th><th>matched</th><th>mismatched</th><th>missing</th><th>extra</th><th>pending</th></tr>\
-         <tr><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr></table>",
-        w.compared, w.matched, w.mismatched, w.missing, w.extra, w.pending
+        "<h2>Windows</h2>\n<table id=\"windows\"><tr><th>compared</th><th>matched</th><th>mismatched</th><th>missing</th><th>extra</th><th>not final</th><th>pending</th><th>versions repeated</th></tr>\
+         <tr><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr></table>",
+        w.compared,
+        w.matched,
+        w.mismatched,
+        w.missing,
+        w.extra,
+        w.not_final,
+        w.pending,
+        w.versions_repeated
     );
     if !r.differences.is_empty() {
         s.push_str("<table id=\"differences\"><tr><th>key</th><th>window start</th><th>status</th><th>version</th><th>completeness</th><th>columns (output / oracle)</th></tr>\n");

@@ -49,16 +49,30 @@ pub struct ReconcileArgs {
 pub async fn reconcile(lake: Lake, args: &ReconcileArgs) -> Result<ExitCode> {
     let from_us = parse_time("from", &args.from)?;
     let to_us = parse_time("to", &args.to)?;
-    let (spec, output) = if args.namespace == "live" {
+    let (spec, output, events_snapshot) = if args.namespace == "live" {
         let spec = find_spec(&args.jobs_dir, &args.job, None)?;
         let output = signalweave_runner::output_table(&spec, "live")?;
-        (spec, output)
+        (spec, output, None)
     } else {
         let record =
             signalweave_runner::compare::backfill_record(&lake, &args.job, &args.namespace).await?;
         let spec = find_spec(&args.jobs_dir, &record.job, Some(record.job_version))?;
         let output = record.output_table(&spec)?;
-        (spec, output)
+        // A backfill read the snapshot it pinned: events landed after it are not in its
+        // outputs, so the oracle reads that snapshot too while it is retained.
+        let retained = lake
+            .snapshots(signalweave_lake::LakeTable::Events)
+            .await?
+            .iter()
+            .any(|s| Some(s.snapshot_id) == record.snapshot_id);
+        if record.snapshot_id.is_some() && !retained {
+            tracing::warn!(
+                namespace = %args.namespace,
+                "the snapshot the backfill read is expired: the oracle reads the current one, \
+                 so events landed since count against the backfill"
+            );
+        }
+        (spec, output, record.snapshot_id.filter(|_| retained))
     };
     let request = ReconcileRequest {
         spec,
@@ -67,6 +81,7 @@ pub async fn reconcile(lake: Lake, args: &ReconcileArgs) -> Result<ExitCode> {
         from_us,
         to_us,
         list_limit: args.list_limit,
+        events_snapshot,
     };
     let report = signalweave_audit::reconcile(&lake, &request).await?;
     let paths = signalweave_audit::write_reports(&report, &args.out)?;
@@ -93,6 +108,11 @@ pub async fn reconcile(lake: Lake, args: &ReconcileArgs) -> Result<ExitCode> {
                 vec![
                     "mismatched / missing / extra".into(),
                     format!("{} / {} / {}", w.mismatched, w.missing, w.extra),
+                ],
+                vec!["closed, version not final".into(), w.not_final.to_string()],
+                vec![
+                    "versions written twice".into(),
+                    w.versions_repeated.to_string(),
                 ],
                 vec!["pending (not final)".into(), w.pending.to_string()],
                 vec!["received".into(), a.received.to_string()],
