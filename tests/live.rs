@@ -553,3 +553,87 @@ fn up_runs_gateway_job_and_serving_in_one_process() {
     assert!(s["position"].as_i64().is_some(), "{s}");
     p.terminate();
 }
+
+/// A new job holds the snapshot of its first read before it reads it: expiry running
+/// meanwhile (the gateway's maintenance, say) cannot remove the position the job then
+/// records, which would leave every later step failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_job_holds_its_first_snapshot_before_reading_it() {
+    use std::sync::Arc;
+
+    use signalweave_fixtures::{Generator, Record, WorkloadSpec};
+    use signalweave_lake::{
+        CommitIdentity, Lake, LakeConfig, LakeTable, MaintenancePolicy, Retention,
+    };
+    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
+
+    let dir = tempfile::tempdir().unwrap();
+    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+    lake.init().await.unwrap();
+    let mut builder = signalweave_model::EventBatchBuilder::with_capacity(500);
+    let mut batches = Vec::new();
+    let spec = WorkloadSpec {
+        events: 2_500,
+        late_fraction: 0.0,
+        ..Default::default()
+    };
+    for r in Generator::new(spec) {
+        let (Record::Event(e) | Record::Duplicate(e)) = r else {
+            continue;
+        };
+        builder.push(&e);
+        if builder.len() == 500 {
+            batches.push(builder.finish().unwrap());
+        }
+    }
+    assert!(batches.len() >= 5, "{}", batches.len());
+    let total: usize = batches[..5].iter().map(|b| b.num_rows()).sum();
+    let append = |i: usize| {
+        let (lake, batch) = (lake.clone(), batches[i].clone());
+        async move {
+            lake.append(
+                LakeTable::Events,
+                &[batch],
+                &CommitIdentity::new("t", i as u64),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    let keep_one = MaintenancePolicy {
+        retention: Some(Retention {
+            keep_last: 1,
+            max_age_ms: 0,
+        }),
+        ..Default::default()
+    };
+    // The table's first snapshots are expired: the job's first read is of the one left.
+    for i in 0..3 {
+        append(i).await;
+    }
+    lake.maintain(LakeTable::Events, &keep_one).await.unwrap();
+    let spec =
+        signalweave_window::JobSpec::from_file(support::repo().join("jobs/market_aggregates.toml"))
+            .unwrap();
+    let config = LiveConfig {
+        checkpoint_interval: Duration::from_secs(3600),
+        ..LiveConfig::default()
+    };
+    let mut job = LiveJob::recover(
+        lake.clone(),
+        Arc::new(spec),
+        config,
+        Arc::new(RunnerMetrics::new()),
+    )
+    .await
+    .unwrap();
+    let first = job.step(false).await.unwrap();
+    assert_eq!(first.snapshots, 1);
+    // Expiry runs before the first checkpoint: the snapshot read stays.
+    append(3).await;
+    append(4).await;
+    lake.maintain(LakeTable::Events, &keep_one).await.unwrap();
+    let second = job.step(true).await.unwrap();
+    assert_eq!(second.snapshots, 2);
+    assert_eq!((first.records + second.records) as usize, total);
+}

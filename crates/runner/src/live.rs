@@ -551,14 +551,7 @@ impl LiveJob {
     pub async fn step(&mut self, force_checkpoint: bool) -> Result<StepReport> {
         let step_started = Instant::now();
         let mut report = StepReport::default();
-        let plan = self
-            .lake
-            .plan_appended_bounded(
-                LakeTable::Events,
-                self.position,
-                self.config.max_snapshots_per_step,
-            )
-            .await?;
+        let plan = self.plan_step().await?;
         if plan.upto != self.position {
             let read_at = now_us();
             self.waited_us = plan.commit_ms.first().map_or(0, |ms| read_at - ms * 1000);
@@ -903,6 +896,37 @@ impl LiveJob {
             .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
             .await?;
         Ok(Some(outcome.snapshot_id))
+    }
+
+    /// The next step's read. A job's first read plans at a retained snapshot, which
+    /// nothing holds yet, and expiry (the gateway's maintenance, say) may remove it while
+    /// the table is read: the position would then name a snapshot that is gone, and every
+    /// later step fail. So that snapshot is held before it is read, and the read planned
+    /// again if it went before the hold took.
+    async fn plan_step(&self) -> Result<signalweave_lake::IncrementalPlan> {
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let plan = self
+                .lake
+                .plan_appended_bounded(
+                    LakeTable::Events,
+                    self.position,
+                    self.config.max_snapshots_per_step,
+                )
+                .await?;
+            let (None, Some(upto)) = (self.position, plan.upto) else {
+                return Ok(plan);
+            };
+            self.lake
+                .hold_snapshot(LakeTable::Events, &self.store.holder(), upto)
+                .await?;
+            let table = self.lake.table(LakeTable::Events).await?;
+            if table.metadata().snapshot_by_id(upto).is_some() || attempts >= 5 {
+                return Ok(plan);
+            }
+            tracing::info!(job = %self.spec.name, snapshot = upto, "the first snapshot to read expired before it was held; planning again");
+        }
     }
 
     /// Holds the source position and the sink snapshots against expiry: a restart needs
