@@ -543,10 +543,13 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let seq = COMMIT_SEQUENCE_COLUMN;
     // Pane windows starting before `to` end by `to + size`. A session starting in the
     // range can last any time, and whether it starts in the range depends on the record
-    // before `from` (within a gap it continues an earlier session).
+    // before `from` (within a gap it continues an earlier session). An earlier copy of a
+    // record of the range may lie up to the dedup horizon (and the out-of-orderness
+    // bound, by which a record may run ahead of the watermark) before it.
+    let copies_from = from.saturating_sub(rules.horizon.saturating_add(rules.bound));
     let (read_from, read_end) = match rules.gap {
-        None => (from, Some(to.saturating_add(rules.size))),
-        Some(gap) => (from.saturating_sub(gap), None),
+        None => (copies_from, Some(to.saturating_add(rules.size))),
+        Some(gap) => (copies_from.min(from.saturating_sub(gap)), None),
     };
     let agg_columns: Vec<String> = {
         let mut c: Vec<String> = spec
@@ -625,22 +628,82 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     };
     run(
         &ctx,
-        "oracle classification",
+        "oracle pre-classification",
         &format!(
-            "CREATE TABLE audit_pre AS \
-             WITH j AS (SELECT r.*, w.wm FROM audit_records r LEFT JOIN audit_wm w ON r.rid = w.rid), \
-             h AS (SELECT *, CASE WHEN NOT in_scope THEN 'out_of_scope' \
+            "CREATE TABLE audit_h AS \
+             WITH j AS (SELECT r.*, w.wm FROM audit_records r LEFT JOIN audit_wm w ON r.rid = w.rid) \
+             SELECT *, CASE WHEN NOT in_scope THEN 'out_of_scope' \
                    WHEN key IS NULL THEN 'null_key' \
                    WHEN wm IS NOT NULL AND t + {horizon} <= wm THEN 'late_horizon' \
-                   ELSE 'candidate' END AS pre FROM j), \
-             f AS (SELECT tenant AS f_tenant, event_id AS f_event_id, min(rid) AS twin FROM h \
-                   WHERE pre = 'candidate' GROUP BY tenant, event_id), \
-             d AS (SELECT h.*, f.twin FROM h LEFT JOIN f \
-                   ON h.pre = 'candidate' AND h.tenant = f.f_tenant AND h.event_id = f.f_event_id) \
-             SELECT *, CASE WHEN pre <> 'candidate' THEN pre \
-                   WHEN twin IS NOT NULL AND rid <> twin THEN 'duplicate' \
-                   ELSE {first_class} END AS class0 FROM d",
+                   ELSE 'candidate' END AS pre FROM j",
             horizon = rules.horizon,
+        ),
+    )
+    .await?;
+    // Dedup: the copies of identities seen more than once, replayed in arrival order
+    // (see `dedup_twins`).
+    let copies = run(
+        &ctx,
+        "copies",
+        "SELECT h.rid, h.tenant, h.event_id, h.t, h.wm FROM audit_h h \
+         JOIN (SELECT tenant, event_id FROM audit_h WHERE pre = 'candidate' \
+               GROUP BY tenant, event_id HAVING count(*) > 1) m \
+         ON h.tenant = m.tenant AND h.event_id = m.event_id \
+         WHERE h.pre = 'candidate' ORDER BY h.rid",
+    )
+    .await?;
+    let mut rows = Vec::new();
+    for b in &copies {
+        let (rid, tenant, id, t, wm) = (
+            ints(b, 0)?,
+            strings(b, 1)?,
+            strings(b, 2)?,
+            ints(b, 3)?,
+            ints(b, 4)?,
+        );
+        for r in 0..b.num_rows() {
+            rows.push(CopySeen {
+                rid: rid[r].unwrap_or(0),
+                identity: (tenant[r].clone(), id[r].clone()),
+                t: t[r].unwrap_or(0),
+                wm: wm[r],
+            });
+        }
+    }
+    let twins = dedup_twins(rows, rules.horizon);
+    let twin_schema = Arc::new(arrow::datatypes::Schema::new(vec![
+        arrow::datatypes::Field::new("d_rid", DataType::Int64, false),
+        arrow::datatypes::Field::new("twin", DataType::Int64, false),
+    ]));
+    let twin_batch = RecordBatch::try_new(
+        Arc::clone(&twin_schema),
+        vec![
+            Arc::new(arrow::array::Int64Array::from_iter_values(
+                twins.iter().map(|(d, _)| *d),
+            )),
+            Arc::new(arrow::array::Int64Array::from_iter_values(
+                twins.iter().map(|(_, t)| *t),
+            )),
+        ],
+    )
+    .map_err(|e| AuditError::new(ErrorKind::Internal, format!("twins: {e}")))?;
+    ctx.register_table(
+        "audit_twins",
+        Arc::new(
+            datafusion::datasource::MemTable::try_new(twin_schema, vec![vec![twin_batch]])
+                .map_err(|e| AuditError::datafusion("twins", e))?,
+        ),
+    )
+    .map_err(|e| AuditError::datafusion("register twins", e))?;
+    run(
+        &ctx,
+        "oracle classification",
+        &format!(
+            "CREATE TABLE audit_pre AS SELECT h.*, tw.twin, \
+             CASE WHEN h.pre <> 'candidate' THEN h.pre \
+                  WHEN tw.twin IS NOT NULL THEN 'duplicate' \
+                  ELSE {first_class} END AS class0 \
+             FROM audit_h h LEFT JOIN audit_twins tw ON h.rid = tw.d_rid"
         ),
     )
     .await?;
@@ -1287,6 +1350,34 @@ async fn histories(
 /// Session windows: replays the first copies, in arrival order, against the sessions of
 /// their key as the job's rule states it. At a record's arrival (watermark `wm`), the
 /// sessions that ended `lateness` or more before the watermark have retired and move the
+/// One copy of an identity seen more than once, for [`dedup_twins`].
+struct CopySeen {
+    rid: i64,
+    identity: (Option<String>, Option<String>),
+    t: i64,
+    wm: Option<i64>,
+}
+
+/// The duplicates among `copies` (in arrival order), each with the copy it repeats, as
+/// `(duplicate rid, twin rid)`. An identity is held from the copy that counts until its
+/// event time plus the dedup `horizon`: a copy arriving while the watermark is below that
+/// is a duplicate; one arriving after counts again and holds it anew.
+fn dedup_twins(copies: Vec<CopySeen>, horizon: i64) -> Vec<(i64, i64)> {
+    let mut held: std::collections::HashMap<(Option<String>, Option<String>), (i64, i64)> =
+        Default::default();
+    let mut out = Vec::new();
+    for c in copies {
+        let wm = c.wm.unwrap_or(i64::MIN);
+        match held.get(&c.identity) {
+            Some(&(twin, until)) if until > wm => out.push((c.rid, twin)),
+            _ => {
+                held.insert(c.identity, (c.rid, c.t.saturating_add(horizon)));
+            }
+        }
+    }
+    out
+}
+
 /// key's frontier to their end; a record before the frontier is late; otherwise it merges
 /// with the sessions it overlaps (`[t, t + gap)` against `[start, end)`), and is late if
 /// the merged session had retired. Returns the late records' ids.
@@ -1480,6 +1571,31 @@ async fn timeline(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_is_a_duplicate_while_the_copy_that_counted_is_within_the_horizon() {
+        let copy = |rid: i64, id: &str, t: i64, wm: Option<i64>| CopySeen {
+            rid,
+            identity: (Some("t".into()), Some(id.into())),
+            t,
+            wm,
+        };
+        let horizon = 100;
+        let twins = dedup_twins(
+            vec![
+                copy(1, "a", 0, None),
+                copy(2, "b", 5, Some(0)),
+                copy(3, "a", 50, Some(99)),
+                // The first copy's horizon is over: this one counts, and holds anew.
+                copy(4, "a", 150, Some(100)),
+                copy(5, "a", 150, Some(249)),
+                copy(6, "b", 5, Some(104)),
+                copy(7, "a", 20, Some(250)),
+            ],
+            horizon,
+        );
+        assert_eq!(twins, vec![(3, 1), (5, 4), (6, 2)]);
+    }
 
     const GAP: i64 = 300;
     const LATENESS: i64 = 600;
