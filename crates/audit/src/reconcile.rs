@@ -84,15 +84,18 @@ pub struct WindowFigures {
     pub missing: u64,
     /// In the outputs only (closed windows).
     pub extra: u64,
-    /// Not final yet: the job's watermark has not passed the window's end. Differences
-    /// there are not findings.
+    /// Not final yet: the job's watermark has not passed the window's end, or a backfill
+    /// wrote it `partial` (beyond the range's end, or the watermark of the snapshot the
+    /// sub-range read, which may be below the table's if the backfill moved to a newer
+    /// snapshot). Differences there are not findings.
     pub pending: u64,
     /// Closed (the job's watermark passed the window's end), yet the current version is
-    /// `provisional` or `partial`: the final version the job emits at its watermark is
-    /// missing (a lost commit), whatever its values.
+    /// `provisional`: the job emits the final version in the fire that passes the end, so
+    /// it is missing (a lost commit), whatever its values.
     pub not_final: u64,
-    /// Identities of the range with an output version written more than once (a
-    /// committed version has one row; a replay must be skipped, not appended again).
+    /// Output versions of the range written more than once, counted per (identity,
+    /// version) (a committed version has one row; a replay must be skipped, not appended
+    /// again).
     pub versions_repeated: u64,
 }
 
@@ -894,8 +897,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         &format!(
             "CREATE TABLE audit_status AS SELECT coalesce(o.key, r.key) AS key, coalesce(o.ws, r.ws) AS ws, \
              coalesce(o.we, r.we) AS we, o.output_version, o.completeness, {pairs}, \
-             CASE WHEN coalesce(o.we, r.we) > {open_after} THEN 'pending' \
-                  WHEN o.completeness IN ('partial', 'provisional') THEN 'not_final' \
+             CASE WHEN coalesce(o.we, r.we) > {open_after} OR o.completeness = 'partial' THEN 'pending' \
+                  WHEN o.completeness = 'provisional' THEN 'not_final' \
                   WHEN o.key IS NOT NULL AND r.key IS NOT NULL AND {same} THEN 'matched' \
                   WHEN o.key IS NULL THEN 'missing' \
                   WHEN r.key IS NULL THEN 'extra' \
@@ -1121,14 +1124,12 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     find(
         "window_not_final",
         windows.not_final,
-        "closed windows whose current version is provisional or partial: the final version \
-         is missing"
-            .into(),
+        "closed windows whose current version is provisional: the final version is missing".into(),
     );
     find(
         "version_repeated",
         windows.versions_repeated,
-        "output identities with an output version written more than once".into(),
+        "output versions written more than once, per identity and version".into(),
     );
     find(
         "late_not_routed",
@@ -1143,7 +1144,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     find(
         "unaccounted_events",
         accounting.unaccounted,
-        "events counted by the oracle in a window whose output differs, or late and not routed"
+        "events counted by the oracle in a window whose output differs or is not final, or \
+         late and not routed"
             .into(),
     );
     Ok(Report {

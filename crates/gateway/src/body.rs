@@ -22,7 +22,8 @@ pub fn body_format(content_type: Option<&str>) -> Result<BodyFormat, Rejection> 
     let Some(ct) = content_type else {
         return Err(Rejection::new(
             ReasonCode::UnsupportedMediaType,
-            "Content-Type is required: application/json or application/x-ndjson",
+            "Content-Type is required: application/json, application/x-ndjson or \
+             application/json-seq",
         ));
     };
     let essence = ct.split(';').next().unwrap_or_default().trim();
@@ -34,7 +35,10 @@ pub fn body_format(content_type: Option<&str>) -> Result<BodyFormat, Rejection> 
         "application/json-seq" => Ok(BodyFormat::JsonSeq),
         other => Err(Rejection::new(
             ReasonCode::UnsupportedMediaType,
-            format!("Content-Type `{other}` is not application/json or application/x-ndjson"),
+            format!(
+                "Content-Type `{other}` is not application/json, application/x-ndjson or \
+                 application/json-seq"
+            ),
         )),
     }
 }

@@ -247,6 +247,8 @@ impl Lake {
         }
         // The next place in the order, taken in the insert itself; two promotions taking
         // the same place at once collide on the order's index, and the loser takes the next.
+        // (A collision on the key, the same namespace promoted again within the same
+        // millisecond, is retried a millisecond later.)
         let sql = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
@@ -266,7 +268,7 @@ impl Lake {
                 .bind(promotion.from_us)
                 .bind(promotion.to_us)
                 .bind(&promotion.promoted_by)
-                .bind(promotion.promoted_ms)
+                .bind(promotion.promoted_ms + attempt - 1)
                 .bind(self.config().catalog_name.as_str())
                 .execute(self.control_pool())
                 .await;

@@ -247,6 +247,9 @@ pub struct SubRange {
     pub stages: Option<StageSeconds>,
     /// When done, ms since the epoch.
     pub finished_ms: Option<i64>,
+    /// When done, the input's watermark of the snapshot it read (µs): a window ending after
+    /// it was written `partial` (none from a version that did not record it).
+    pub input_watermark_us: Option<i64>,
 }
 
 /// A done sub-range's time by stage, seconds: reading and decoding its files, the engine,
@@ -329,6 +332,9 @@ impl BackfillStore {
         for column in STAGE_COLUMNS {
             store.add_column("sw_backfill_ranges", column).await?;
         }
+        store
+            .add_column("sw_backfill_ranges", "input_watermark_us")
+            .await?;
         Ok(store)
     }
 
@@ -439,7 +445,7 @@ impl BackfillStore {
         let sql = self.q(
             "SELECT seq, from_us, to_us, kg_lo, kg_hi, planned_records, state, records, bytes_read, \
              rows_written, late, duplicates, millis, finished_ms, read_ms, engine_ms, \
-             throttled_ms, commit_ms FROM sw_backfill_ranges \
+             throttled_ms, commit_ms, input_watermark_us FROM sw_backfill_ranges \
              WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY seq",
         );
         let rows = sqlx::query(&sql)
@@ -487,6 +493,7 @@ impl BackfillStore {
                         }
                     },
                     finished_ms: r.try_get("finished_ms")?,
+                    input_watermark_us: r.try_get("input_watermark_us")?,
                 })
             })
             .collect::<std::result::Result<_, sqlx::Error>>()
@@ -735,7 +742,8 @@ impl BackfillStore {
         let sql = self.q(
             "UPDATE sw_backfill_ranges SET state = 'done', records = $5, bytes_read = $6, \
              rows_written = $7, late = $8, duplicates = $9, millis = $10, finished_ms = $11, \
-             read_ms = $12, engine_ms = $13, throttled_ms = $14, commit_ms = $15 \
+             read_ms = $12, engine_ms = $13, throttled_ms = $14, commit_ms = $15, \
+             input_watermark_us = $16 \
              WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND seq = $4",
         );
         let ms = |v: Option<f64>| v.map(|v| (v * 1000.0).round() as i64);
@@ -756,6 +764,7 @@ impl BackfillStore {
             .bind(ms(stages.map(|t| t.engine)))
             .bind(ms(stages.map(|t| t.throttled)))
             .bind(ms(stages.map(|t| t.commit)))
+            .bind(s.input_watermark_us)
             .execute(self.lake.control_pool())
             .await
             .map_err(|e| RunnerError::sql("record a sub-range", e))?;
@@ -962,6 +971,7 @@ pub async fn create(
                 seconds: 0.0,
                 stages: None,
                 finished_ms: None,
+                input_watermark_us: None,
             });
         }
     }
@@ -2342,6 +2352,7 @@ impl Running {
         rows.emitted_at_mut().fill(generated_at);
         figures.rows_written = rows.len() as u64;
         figures.late = late_events.len() as u64;
+        figures.input_watermark_us = Some(input_watermark);
         Ok(Some(SubRangeOutput {
             pin: Arc::clone(pin),
             rows,
@@ -2710,6 +2721,7 @@ mod tests {
             records: 10,
             seconds: 4.0,
             stages: Some(stages),
+            input_watermark_us: Some(7),
             ..before[0].clone()
         };
         store.subrange_done("j", "n", &done).await.unwrap();
@@ -2718,6 +2730,7 @@ mod tests {
         let after = store.subranges("j", "n").await.unwrap();
         assert_eq!(after[0].stages, Some(stages));
         assert_eq!((after[0].state.as_str(), after[0].records), ("done", 10));
+        assert_eq!(after[0].input_watermark_us, Some(7));
     }
 
     #[test]

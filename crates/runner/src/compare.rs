@@ -337,15 +337,27 @@ pub async fn promote(
         ));
     }
     // What the namespace is authoritative for ends where its windows stop being final:
-    // at the range's end, or at the input's watermark where that is earlier (each row
-    // carries the lesser of its sub-range's end and that watermark; a range whose last
-    // sub-ranges held no events ends earlier, which only leaves more to the live outputs).
-    // A window crossing that point is `partial` in the namespace, or missing from it where
-    // its key had no events before the point, while the live outputs hold it whole: so
-    // the promotion stops at the earliest start of a window (of either version) crossing
-    // the point, and at the first partial window (a session's bounds are its events').
+    // at the range's end, or at the input's watermark where that is earlier. Each done
+    // sub-range records the watermark of the snapshot it read (a backfill moved to a newer
+    // snapshot by an erasure read some sub-ranges at a lower one): the lowest counts.
+    // Sub-ranges recorded before that was kept fall back to the rows' own: each carries
+    // the lesser of its sub-range's end and that watermark, so their highest is the end
+    // when the last sub-ranges held events, and earlier otherwise, which only leaves more
+    // to the live outputs. A window crossing that point is `partial` in the namespace, or
+    // missing from it where its key had no events before the point, while the live
+    // outputs hold it whole: so the promotion stops at the earliest start of a window (of
+    // either version) crossing the point, and at the first partial window (a session's
+    // bounds are its events').
     let ns_table = record.output_table(spec)?;
     lake.ensure_output_table(ns_table).await?;
+    let recorded: Option<Vec<i64>> = BackfillStore::open(lake.clone())
+        .await?
+        .subranges(&record.job, &record.namespace)
+        .await?
+        .iter()
+        .filter(|s| s.state == "done")
+        .map(|s| s.input_watermark_us)
+        .collect();
     let bounds = lake
         .session_context()
         .await?
@@ -367,12 +379,17 @@ pub async fn promote(
             (!c.is_empty() && !c.is_null(0)).then(|| c.value(0))
         })
     };
-    let (first_partial, watermark) = (value(0), value(1));
+    let first_partial = value(0);
+    let watermark = match recorded {
+        Some(w) if !w.is_empty() => w.into_iter().min(),
+        _ => value(1),
+    };
     let Some(watermark) = watermark else {
         return Err(RunnerError::new(
             ErrorKind::Conflict,
             format!(
-                "the backfill in `{}` wrote no outputs: there is nothing to promote",
+                "the backfill in `{}` wrote no outputs, and recorded no watermark of what it \
+                 read: there is nothing to promote",
                 record.namespace
             ),
         ));
