@@ -8,7 +8,7 @@ use arrow::datatypes::DataType;
 use serde::Serialize;
 use signalweave_lake::{Lake, Promotion};
 use signalweave_model::{ErrorKind, format_rfc3339_micros};
-use signalweave_window::JobSpec;
+use signalweave_window::{JobSpec, WindowSpec, micros};
 
 use crate::backfill::{BackfillRecord, BackfillStore};
 use crate::error::{Result, RunnerError};
@@ -336,6 +336,26 @@ pub async fn promote(
             ),
         ));
     }
+    // Two window shapes: the promotion may only begin and end where no window of either
+    // crosses, or events near its edges would be served twice or not at all.
+    let (from_us, edge) = match (&live.window, &spec.window) {
+        (a, b) if a == b => (record.from_us, None),
+        (WindowSpec::Tumbling { size: a }, WindowSpec::Tumbling { size: b }) => {
+            let lcm = lcm(micros(*a), micros(*b));
+            (ceil_to(record.from_us, lcm), Some(lcm))
+        }
+        _ => {
+            return Err(RunnerError::new(
+                ErrorKind::Config,
+                format!(
+                    "{} version {} has other windows than the live version {} ({:?} against \
+                     {:?}): every point of the range is inside a window of one of them, so \
+                     the promotion's edges would count events twice or not at all",
+                    spec.name, spec.version, live.version, spec.window, live.window
+                ),
+            ));
+        }
+    };
     // What the namespace is authoritative for ends where its windows stop being final:
     // at the range's end, or at the input's watermark where that is earlier. Each done
     // sub-range records the watermark of the snapshot it read (a backfill moved to a newer
@@ -400,12 +420,13 @@ pub async fn promote(
         first_partial,
         live.window.starts_ending_by(end),
         spec.window.starts_ending_by(end),
+        edge.map(|l| end.div_euclid(l).saturating_mul(l)),
     ]
     .into_iter()
     .flatten()
     .min()
     .unwrap_or(end);
-    if to_us <= record.from_us {
+    if to_us <= from_us {
         return Err(RunnerError::new(
             ErrorKind::Conflict,
             format!(
@@ -424,7 +445,7 @@ pub async fn promote(
         job_version: record.job_version,
         live_table: live_table.name().to_string(),
         table: ns_table.name().to_string(),
-        from_us: record.from_us,
+        from_us,
         to_us,
         promoted_by: by.to_string(),
         promoted_ms: chrono::Utc::now().timestamp_millis(),
@@ -437,10 +458,44 @@ pub async fn promote(
     Ok(promotion)
 }
 
+/// The least common multiple of two positive lengths (saturating).
+fn lcm(a: i64, b: i64) -> i64 {
+    let (mut x, mut y) = (a.max(1), b.max(1));
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    (a.max(1) / x).saturating_mul(b.max(1))
+}
+
+/// `t` rounded up to a multiple of `step`.
+fn ceil_to(t: i64, step: i64) -> i64 {
+    let r = t.rem_euclid(step);
+    if r == 0 {
+        t
+    } else {
+        t.saturating_add(step - r)
+    }
+}
+
 /// The backfill of `job` in `namespace`, or `NotFound`.
 pub async fn backfill_record(lake: &Lake, job: &str, namespace: &str) -> Result<BackfillRecord> {
     BackfillStore::open(lake.clone())
         .await?
         .require(job, namespace)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edges_no_window_of_two_tumbling_shapes_crosses() {
+        let min = 60_000_000;
+        assert_eq!(lcm(min, 5 * min), 5 * min);
+        assert_eq!(lcm(4 * min, 6 * min), 12 * min);
+        assert_eq!(ceil_to(61 * min, 5 * min), 65 * min);
+        assert_eq!(ceil_to(60 * min, 5 * min), 60 * min);
+        assert_eq!(ceil_to(-min, 5 * min), 0);
+    }
 }
