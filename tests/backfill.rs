@@ -658,6 +658,21 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     let windows = a["windows"].as_array().unwrap();
     assert!(windows.len() > 100, "{a}");
     assert!(windows.iter().all(|w| w["namespace"] == "fix_lateness"));
+    // The serving version only grows for a window when the namespace serving it changes,
+    // although each namespace counts its output versions from 1.
+    let promoted = windows[0].clone();
+    let live_version = count(
+        &lake,
+        &format!(
+            "select max(output_version) from signalweave.market_aggregates where key = 'm-0' \
+             and window_start = '{}'",
+            promoted["window_start"].as_str().unwrap()
+        ),
+    );
+    assert!(
+        promoted["serving_version"].as_i64().unwrap() > live_version,
+        "{promoted} against live version {live_version}"
+    );
 
     ok(backfill_cmd(&lake, "rollback", "fix_lateness"));
     let rows = by_ns(&lake);
@@ -665,6 +680,21 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     assert_eq!(rows[0]["namespace"], "live");
     let a = answer(&base);
     assert!(a["promotions"].as_array().unwrap().is_empty(), "{a}");
+    let back = a["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["window_start"] == promoted["window_start"])
+        .unwrap();
+    assert_eq!(
+        back["output_version"].as_i64().unwrap(),
+        live_version,
+        "{back}"
+    );
+    assert!(
+        back["serving_version"].as_i64().unwrap() > promoted["serving_version"].as_i64().unwrap(),
+        "{back} after {promoted}"
+    );
     assert!(
         a["windows"]
             .as_array()

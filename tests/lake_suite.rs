@@ -1781,3 +1781,53 @@ fn late_row(job: &str, tenant: &str, event_id: &str, customer: &str) -> RecordBa
         .collect();
     RecordBatch::try_new(schema, columns).unwrap()
 }
+
+/// Promotions on every backend: recorded in order (the database's, not the hosts'
+/// clocks), one active per namespace also when two promote at once, and each rollback
+/// given its place in the same order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn promotions_are_ordered_and_one_is_active_per_namespace_on_every_backend() {
+    use signalweave_lake::{Promotion, authoritative, authority_epoch};
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let p = |ns: &str, from: i64, to: i64, ms: i64| Promotion {
+            job: "j".into(),
+            namespace: ns.into(),
+            job_version: 2,
+            live_table: "t".into(),
+            table: format!("t__{ns}"),
+            from_us: from,
+            to_us: to,
+            promoted_by: "suite".into(),
+            promoted_ms: ms,
+            rolled_back_by: None,
+            rolled_back_ms: None,
+            seq: None,
+            rolled_back_seq: None,
+        };
+        lake.promote(&p("a", 0, 100, 2_000)).await.unwrap();
+        lake.promote(&p("b", 50, 150, 1_000)).await.unwrap();
+        // Two promotions of one namespace at once: one is recorded.
+        let (c1, c2) = (p("c", 200, 300, 5_000), p("c", 200, 300, 5_001));
+        let (x, y) = tokio::join!(lake.promote(&c1), lake.promote(&c2));
+        assert!(x.is_ok() != y.is_ok(), "{}: {x:?} {y:?}", b.name);
+        let refused = x.err().or(y.err()).unwrap();
+        assert_eq!(
+            refused.kind(),
+            signalweave_model::ErrorKind::Conflict,
+            "{}: {refused}",
+            b.name
+        );
+        let active = lake.active_promotions("j").await.unwrap();
+        let seqs: Vec<Option<i64>> = active.iter().map(|p| p.seq).collect();
+        assert_eq!(seqs, vec![Some(1), Some(2), Some(3)], "{}", b.name);
+        assert_eq!(authoritative(&active, 60), "b", "{}", b.name);
+        let rolled = lake.rollback_promotion("j", "b", "suite").await.unwrap();
+        assert_eq!(rolled.rolled_back_seq, Some(4), "{}", b.name);
+        let all = lake.promotions(Some("j")).await.unwrap();
+        assert_eq!(authority_epoch(&all, 60), 4, "{}", b.name);
+        assert_eq!(authority_epoch(&all, 10), 1, "{}", b.name);
+        let active = lake.active_promotions("j").await.unwrap();
+        assert_eq!(authoritative(&active, 60), "a", "{}", b.name);
+    }
+}

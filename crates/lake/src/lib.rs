@@ -57,6 +57,6 @@ pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
     PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold,
 };
-pub use promote::{Promotion, authoritative};
+pub use promote::{Promotion, authoritative, authority_epoch, serving_version};
 pub use provider::{COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

@@ -48,6 +48,8 @@ pub struct Promotion {
     /// Its place in the order promotions were recorded (None: recorded before the order
     /// was kept, so before every promotion that has one).
     pub seq: Option<i64>,
+    /// Its rollback's place in the same order, once rolled back (None before).
+    pub rolled_back_seq: Option<i64>,
 }
 
 impl Promotion {
@@ -65,8 +67,32 @@ impl Promotion {
 
     /// True when the promotion covers windows starting at `window_start_us`.
     pub fn covers(&self, window_start_us: i64) -> bool {
-        self.active() && window_start_us >= self.from_us && window_start_us < self.to_us
+        self.active() && self.spans(window_start_us)
     }
+
+    /// True when its range holds `window_start_us`, whether or not it is rolled back.
+    pub fn spans(&self, window_start_us: i64) -> bool {
+        window_start_us >= self.from_us && window_start_us < self.to_us
+    }
+}
+
+/// The epoch of a window's authority: the last place in the order of the promotions and
+/// rollbacks whose range holds it (0: none). Each change of which namespace serves the
+/// window comes with a later epoch, so `(epoch, output_version)` only grows for a window,
+/// across promotions and rollbacks, although each namespace counts its versions from 1.
+pub fn authority_epoch(promotions: &[Promotion], window_start_us: i64) -> i64 {
+    promotions
+        .iter()
+        .filter(|p| p.spans(window_start_us))
+        .filter_map(|p| p.seq.max(p.rolled_back_seq))
+        .max()
+        .unwrap_or(0)
+}
+
+/// A version that only grows for a window across promotions and rollbacks: its authority
+/// epoch (see [`authority_epoch`]) above its namespace's `output_version` (32 bits).
+pub fn serving_version(epoch: i64, output_version: i64) -> i64 {
+    (epoch << 32) | (output_version & 0xFFFF_FFFF)
 }
 
 /// The namespace authoritative for a window of a job, given its active promotions in
@@ -114,21 +140,28 @@ impl Lake {
             .execute(self.control_pool())
             .await
             .is_ok();
-        if !has_seq {
+        let has_rollback_seq = sqlx::query("SELECT rolled_back_seq FROM sw_promotions WHERE 1 = 0")
+            .execute(self.control_pool())
+            .await
+            .is_ok();
+        for (column, missing) in [("seq", !has_seq), ("rolled_back_seq", !has_rollback_seq)] {
+            if !missing {
+                continue;
+            }
             let add = if sqlite {
-                "ALTER TABLE sw_promotions ADD COLUMN seq BIGINT"
+                format!("ALTER TABLE sw_promotions ADD COLUMN {column} BIGINT")
             } else {
-                "ALTER TABLE sw_promotions ADD COLUMN IF NOT EXISTS seq BIGINT"
+                format!("ALTER TABLE sw_promotions ADD COLUMN IF NOT EXISTS {column} BIGINT")
             };
-            let added = sqlx::query(add).execute(self.control_pool()).await;
+            let added = sqlx::query(&add).execute(self.control_pool()).await;
             // Another process may have added it meanwhile.
             if let Err(e) = added
-                && sqlx::query("SELECT seq FROM sw_promotions WHERE 1 = 0")
+                && sqlx::query(&format!("SELECT {column} FROM sw_promotions WHERE 1 = 0"))
                     .execute(self.control_pool())
                     .await
                     .is_err()
             {
-                return Err(LakeError::sql("add sw_promotions.seq", e));
+                return Err(LakeError::sql("add a column to sw_promotions", e));
             }
         }
         let indexes: Vec<String> = sqlx::query_scalar(if sqlite {
@@ -168,7 +201,7 @@ impl Lake {
     pub async fn promotions(&self, job: Option<&str>) -> Result<Vec<Promotion>> {
         let sql = self.control_sql(
             "SELECT job, namespace, job_version, live_table, namespace_table, from_us, to_us, promoted_by, promoted_ms, \
-             rolled_back_by, rolled_back_ms, seq FROM sw_promotions WHERE catalog_name = $1 \
+             rolled_back_by, rolled_back_ms, seq, rolled_back_seq FROM sw_promotions WHERE catalog_name = $1 \
              AND ($2 = '' OR job = $3) ORDER BY COALESCE(seq, 0), promoted_ms, namespace",
         );
         let job = job.unwrap_or("");
@@ -194,6 +227,7 @@ impl Lake {
                     rolled_back_by: r.try_get("rolled_back_by")?,
                     rolled_back_ms: r.try_get("rolled_back_ms")?,
                     seq: r.try_get("seq")?,
+                    rolled_back_seq: r.try_get("rolled_back_seq")?,
                 })
             })
             .collect::<std::result::Result<_, sqlx::Error>>()
@@ -252,8 +286,9 @@ impl Lake {
         let sql = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE(MAX(seq), 0) + 1 \
-             FROM sw_promotions WHERE catalog_name = $11",
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE(MAX(m.x), 0) + 1 \
+             FROM (SELECT seq AS x FROM sw_promotions WHERE catalog_name = $11 \
+                   UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $12) m",
         );
         let mut attempt = 0;
         loop {
@@ -269,6 +304,7 @@ impl Lake {
                 .bind(promotion.to_us)
                 .bind(&promotion.promoted_by)
                 .bind(promotion.promoted_ms + attempt - 1)
+                .bind(self.config().catalog_name.as_str())
                 .bind(self.config().catalog_name.as_str())
                 .execute(self.control_pool())
                 .await;
@@ -320,7 +356,10 @@ impl Lake {
         };
         let now = chrono::Utc::now().timestamp_millis();
         let sql = self.control_sql(
-            "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2 \
+            "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2, \
+             rolled_back_seq = (SELECT COALESCE(MAX(m.x), 0) + 1 FROM \
+               (SELECT seq AS x FROM sw_promotions WHERE catalog_name = $3 \
+                UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $3) m) \
              WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND promoted_ms = $6 \
              AND rolled_back_ms IS NULL",
         );
@@ -342,7 +381,12 @@ impl Lake {
         }
         active.rolled_back_by = Some(by.to_string());
         active.rolled_back_ms = Some(now);
-        Ok(active)
+        Ok(self
+            .promotions(Some(job))
+            .await?
+            .into_iter()
+            .find(|p| p.namespace == namespace && p.promoted_ms == active.promoted_ms)
+            .unwrap_or(active))
     }
 }
 
@@ -366,6 +410,7 @@ mod tests {
             rolled_back_by: None,
             rolled_back_ms: rolled_back.then_some(1),
             seq: None,
+            rolled_back_seq: None,
         }
     }
 
@@ -428,7 +473,15 @@ mod tests {
         .unwrap();
         let held = lake.active_promotions("j").await.unwrap();
         assert_eq!(authoritative(&held, 60), "a");
-        assert_eq!(held.last().unwrap().seq, Some(3));
+        // The rollback took the third place in the order, the new promotion the fourth.
+        assert_eq!(rolled.rolled_back_seq, Some(3));
+        assert_eq!(held.last().unwrap().seq, Some(4));
+        // A window's authority epoch grows with each promotion and rollback spanning it.
+        let all = lake.promotions(Some("j")).await.unwrap();
+        assert_eq!(authority_epoch(&all, 10), 4);
+        assert_eq!(authority_epoch(&all, 120), 2);
+        assert_eq!(authority_epoch(&all, 500), 0);
+        assert!(serving_version(2, 7) > serving_version(1, 900));
     }
 
     #[test]

@@ -452,6 +452,7 @@ pub async fn promote(
         rolled_back_by: None,
         rolled_back_ms: None,
         seq: None,
+        rolled_back_seq: None,
     };
     lake.promote(&promotion).await?;
     tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, "namespace promoted");

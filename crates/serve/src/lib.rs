@@ -47,8 +47,13 @@ pub struct CurrentWindow {
     pub window_start: String,
     /// Window end (RFC 3339, exclusive).
     pub window_end: String,
-    /// The current version.
+    /// The current version, as its namespace counts it (from 1 in each namespace).
     pub output_version: i64,
+    /// A version that only grows for this window, also when a promotion or a rollback
+    /// changes the namespace serving it: the window's authority epoch (the last place in
+    /// the order of the promotions and rollbacks whose range holds it; 0 when none) times
+    /// 2^32, plus `output_version`. Compare this one to tell a newer answer.
+    pub serving_version: i64,
     /// `provisional`, `on_time`, `corrected` (or `partial`, from a backfill).
     pub completeness: String,
     /// Watermark when emitted (RFC 3339).
@@ -304,11 +309,13 @@ impl Serving {
         }
         // The live namespace honours promotions: a window a promotion covers is served
         // from the promoted namespace (the latest covering promotion wins).
-        let promotions = if namespace == "live" {
-            self.lake.active_promotions(job).await?
+        let history = if namespace == "live" {
+            self.lake.promotions(Some(job)).await?
         } else {
             Vec::new()
         };
+        let promotions: Vec<signalweave_lake::Promotion> =
+            history.iter().filter(|p| p.active()).cloned().collect();
         let mut view = served.view.lock().await;
         self.refresh(served.table, &served.spec, &mut view).await?;
         let mut promoted = served.promoted.lock().await;
@@ -346,7 +353,14 @@ impl Serving {
         let windows = windows
             .into_iter()
             .take(MAX_WINDOWS)
-            .map(|(_, s)| s.window.clone())
+            .map(|((_, start, _), s)| {
+                let mut w = s.window.clone();
+                w.serving_version = signalweave_lake::serving_version(
+                    signalweave_lake::authority_epoch(&history, *start),
+                    w.output_version,
+                );
+                w
+            })
             .collect();
         Ok(AggregatesAnswer {
             job: job.to_string(),
@@ -473,6 +487,7 @@ fn apply(
             window_start: format_rfc3339_micros(id.1),
             window_end: format_rfc3339_micros(id.2),
             output_version: v,
+            serving_version: v,
             completeness: completeness.value(i).to_string(),
             watermark: format_rfc3339_micros(wm.value(i)),
             generated_at: format_rfc3339_micros(at.value(i)),
