@@ -546,13 +546,21 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let seq = COMMIT_SEQUENCE_COLUMN;
     // Pane windows starting before `to` end by `to + size`. A session starting in the
     // range can last any time, and whether it starts in the range depends on the record
-    // before `from` (within a gap it continues an earlier session). An earlier copy of a
-    // record of the range may lie up to the dedup horizon (and the out-of-orderness
-    // bound, by which a record may run ahead of the watermark) before it.
-    let copies_from = from.saturating_sub(rules.horizon.saturating_add(rules.bound));
+    // before `from` (within a gap it continues an earlier session). Every other copy of an
+    // identity read is read too, whatever its event time: whether a copy counts depends
+    // on the copies before it (a chain of copies each stamped anew), for dedup only.
     let (read_from, read_end) = match rules.gap {
-        None => (copies_from, Some(to.saturating_add(rules.size))),
-        Some(gap) => (copies_from.min(from.saturating_sub(gap)), None),
+        None => (from, Some(to.saturating_add(rules.size))),
+        Some(gap) => (from.saturating_sub(gap), None),
+    };
+    let within = |column: &str| {
+        format!(
+            "{column} >= {}{}",
+            ts_literal(read_from),
+            read_end
+                .map(|e| format!(" AND {column} < {}", ts_literal(e)))
+                .unwrap_or_default()
+        )
     };
     let agg_columns: Vec<String> = {
         let mut c: Vec<String> = spec
@@ -591,12 +599,15 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
              CAST(tenant AS VARCHAR) AS tenant, CAST(event_id AS VARCHAR) AS event_id, \
              CAST(event_type AS VARCHAR) AS event_type, CAST(event_time AS BIGINT) AS t, \
              CAST(ingest_time AS BIGINT) AS ingest, {seq} AS seq, {key} AS key, {in_scope} AS in_scope{agg_select} \
-             FROM audit_events WHERE event_time >= {from_ts}{end}",
+             FROM (SELECT * FROM audit_events WHERE {within} \
+                   UNION ALL \
+                   SELECT e.* FROM audit_events e \
+                   JOIN (SELECT DISTINCT tenant AS c_tenant, event_id AS c_event_id FROM audit_events WHERE {within}) c \
+                   ON e.tenant = c.c_tenant AND e.event_id = c.c_event_id \
+                   WHERE NOT ({within_e})) r",
             key = key_sql(spec),
-            from_ts = ts_literal(read_from),
-            end = read_end
-                .map(|e| format!(" AND event_time < {}", ts_literal(e)))
-                .unwrap_or_default(),
+            within = within("event_time"),
+            within_e = within("e.event_time"),
         ),
     )
     .await?;
@@ -1349,9 +1360,6 @@ async fn histories(
     Ok(histories)
 }
 
-/// Session windows: replays the first copies, in arrival order, against the sessions of
-/// their key as the job's rule states it. At a record's arrival (watermark `wm`), the
-/// sessions that ended `lateness` or more before the watermark have retired and move the
 /// One copy of an identity seen more than once, for [`dedup_twins`].
 struct CopySeen {
     rid: i64,
@@ -1380,6 +1388,9 @@ fn dedup_twins(copies: Vec<CopySeen>, horizon: i64) -> Vec<(i64, i64)> {
     out
 }
 
+/// Session windows: replays the first copies, in arrival order, against the sessions of
+/// their key as the job's rule states it. At a record's arrival (watermark `wm`), the
+/// sessions that ended `lateness` or more before the watermark have retired and move the
 /// key's frontier to their end; a record before the frontier is late; otherwise it merges
 /// with the sessions it overlaps (`[t, t + gap)` against `[start, end)`), and is late if
 /// the merged session had retired. Returns the late records' ids.
