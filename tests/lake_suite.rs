@@ -1819,13 +1819,16 @@ async fn promotions_are_ordered_and_one_is_active_per_namespace_on_every_backend
             b.name
         );
         let active = lake.active_promotions("j").await.unwrap();
-        let seqs: Vec<Option<i64>> = active.iter().map(|p| p.seq).collect();
-        assert_eq!(seqs, vec![Some(1), Some(2), Some(3)], "{}", b.name);
+        let seqs: Vec<i64> = active.iter().map(|p| p.seq.unwrap()).collect();
+        // The refused promotion's place may have been taken and left unused.
+        assert_eq!(&seqs[..2], &[1, 2], "{}", b.name);
+        assert!(seqs[2] == 3 || seqs[2] == 4, "{}: {seqs:?}", b.name);
         assert_eq!(authoritative(&active, 60), "b", "{}", b.name);
         let rolled = lake.rollback_promotion("j", "b", "suite").await.unwrap();
-        assert_eq!(rolled.rolled_back_seq, Some(4), "{}", b.name);
+        let place = rolled.rolled_back_seq.unwrap();
+        assert!(place > seqs[2], "{}: {place}", b.name);
         let all = lake.promotions(Some("j")).await.unwrap();
-        assert_eq!(authority_epoch(&all, 60), 4, "{}", b.name);
+        assert_eq!(authority_epoch(&all, 60), place, "{}", b.name);
         assert_eq!(authority_epoch(&all, 10), 1, "{}", b.name);
         let active = lake.active_promotions("j").await.unwrap();
         assert_eq!(authoritative(&active, 60), "a", "{}", b.name);

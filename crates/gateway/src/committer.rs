@@ -347,6 +347,11 @@ impl Committer {
                 _ = async { tokio::time::sleep_until(drain_deadline.expect("guarded")).await }, if drain_deadline.is_some() => {
                     drop(in_flight.take());
                     self.abandon("the gateway stopped before the landing table accepted the commit");
+                    if self.evidence_rows > 0 {
+                        // Counted and said, as every evidence the gateway cannot keep.
+                        self.metrics.evidence_dropped.inc_by(self.evidence_rows as u64);
+                        tracing::warn!(rows = self.evidence_rows, "rejection evidence not committed before the drain deadline: dropped");
+                    }
                     break;
                 }
                 _ = tick.tick() => self.housekeeping(),

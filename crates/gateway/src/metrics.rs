@@ -42,7 +42,8 @@ pub struct Metrics {
     pub queue_oldest_age_seconds: Gauge<f64, AtomicU64>,
     /// Identities held by the duplicate index.
     pub dedup_entries: Gauge,
-    /// Rejection evidence rows dropped because the evidence queue was full.
+    /// Rejection evidence rows dropped: the evidence queue was full, or the gateway stopped
+    /// before they were committed.
     pub evidence_dropped: Counter,
     /// Refusals of requests without a valid key left unrecorded: beyond their evidence
     /// budget (so such requests cannot flood `signalweave.rejections`).
@@ -129,7 +130,7 @@ impl Metrics {
         );
         registry.register(
             "evidence_dropped",
-            "Rejection evidence rows dropped (evidence queue full)",
+            "Rejection evidence rows dropped (evidence queue full, or not committed by the stop)",
             evidence_dropped.clone(),
         );
         registry.register(

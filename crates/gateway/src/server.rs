@@ -584,7 +584,7 @@ fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: 
         rejection_batch_of(now_us(), &source, tenant, &[(body, 0, rejection.clone())])
     {
         let (reply, _) = oneshot::channel();
-        let _ = st.tx.send(Submission {
+        let sent = st.tx.send(Submission {
             tenant_index: grant.map_or(0, |g| g.tenant_index),
             ingest_time_us: now_us(),
             events: Vec::new(),
@@ -592,6 +592,10 @@ fn record_refusal(st: &AppState, grant: Option<&Grant>, body: &[u8], rejection: 
             evidence: Some(batch),
             reply,
         });
+        if sent.is_err() {
+            // The committer has stopped (the gateway is stopping): counted, not kept.
+            st.metrics.evidence_dropped.inc();
+        }
     }
 }
 

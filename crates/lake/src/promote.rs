@@ -128,7 +128,46 @@ impl Lake {
         .execute(self.control_pool())
         .await
         .map_err(|e| LakeError::sql("create sw_promotions", e))?;
+        // Every place in the order, a promotion's or a rollback's, is taken here first: one
+        // key holds them all apart, however many promote and roll back at once.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_promotion_order (catalog_name VARCHAR(255) NOT NULL, \
+             seq BIGINT NOT NULL, PRIMARY KEY (catalog_name, seq))",
+        )
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("create sw_promotion_order", e))?;
         self.migrate_promotions().await
+    }
+
+    /// Takes the next place in the order of promotions and rollbacks: after every place
+    /// taken before (also those recorded in `sw_promotions` alone, by an earlier version).
+    /// Two takers at once collide on the key, and the loser takes the next.
+    async fn next_place(&self) -> Result<i64> {
+        let sql = self.control_sql(
+            "INSERT INTO sw_promotion_order (catalog_name, seq) \
+             SELECT $1, COALESCE(MAX(m.x), 0) + 1 FROM ( \
+               SELECT seq AS x FROM sw_promotion_order WHERE catalog_name = $1 \
+               UNION ALL SELECT seq FROM sw_promotions WHERE catalog_name = $1 \
+               UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $1) m \
+             RETURNING seq",
+        );
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match sqlx::query_scalar::<_, i64>(&sql)
+                .bind(self.config().catalog_name.as_str())
+                .fetch_one(self.control_pool())
+                .await
+            {
+                Ok(place) => return Ok(place),
+                Err(e)
+                    if attempt < 20
+                        && e.as_database_error()
+                            .is_some_and(|d| d.is_unique_violation()) => {}
+                Err(e) => return Err(LakeError::sql("take a place in the promotions' order", e)),
+            }
+        }
     }
 
     /// Brings an `sw_promotions` made by an earlier version up to date: the `seq` column
@@ -245,9 +284,10 @@ impl Lake {
     }
 
     /// Records `promotion` (its rollback fields and `seq` are ignored: it is placed after
-    /// every promotion recorded). Fails with `Conflict` when the namespace already has an
-    /// active promotion of the same job, also when another is being recorded at once.
-    pub async fn promote(&self, promotion: &Promotion) -> Result<()> {
+    /// every promotion and rollback recorded) and returns it as recorded. Fails with
+    /// `Conflict` when the namespace already has an active promotion of the same job, also
+    /// when another is being recorded at once.
+    pub async fn promote(&self, promotion: &Promotion) -> Result<Promotion> {
         if promotion.namespace == "live" {
             return Err(LakeError::new(
                 ErrorKind::InvalidInput,
@@ -279,20 +319,18 @@ impl Lake {
                 ),
             ));
         }
-        // The next place in the order, taken in the insert itself; two promotions taking
-        // the same place at once collide on the order's index, and the loser takes the next.
         // (A collision on the key, the same namespace promoted again within the same
         // millisecond, is retried a millisecond later.)
+        let seq = self.next_place().await?;
         let sql = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE(MAX(m.x), 0) + 1 \
-             FROM (SELECT seq AS x FROM sw_promotions WHERE catalog_name = $11 \
-                   UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $12) m",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         );
         let mut attempt = 0;
         loop {
             attempt += 1;
+            let promoted_ms = promotion.promoted_ms + attempt - 1;
             let recorded = sqlx::query(&sql)
                 .bind(self.config().catalog_name.as_str())
                 .bind(&promotion.job)
@@ -303,13 +341,21 @@ impl Lake {
                 .bind(promotion.from_us)
                 .bind(promotion.to_us)
                 .bind(&promotion.promoted_by)
-                .bind(promotion.promoted_ms + attempt - 1)
-                .bind(self.config().catalog_name.as_str())
-                .bind(self.config().catalog_name.as_str())
+                .bind(promoted_ms)
+                .bind(seq)
                 .execute(self.control_pool())
                 .await;
             let e = match recorded {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    return Ok(Promotion {
+                        promoted_ms,
+                        seq: Some(seq),
+                        rolled_back_by: None,
+                        rolled_back_ms: None,
+                        rolled_back_seq: None,
+                        ..promotion.clone()
+                    });
+                }
                 Err(e) => e,
             };
             let unique = e
@@ -355,11 +401,10 @@ impl Lake {
             ));
         };
         let now = chrono::Utc::now().timestamp_millis();
+        let place = self.next_place().await?;
         let sql = self.control_sql(
             "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2, \
-             rolled_back_seq = (SELECT COALESCE(MAX(m.x), 0) + 1 FROM \
-               (SELECT seq AS x FROM sw_promotions WHERE catalog_name = $3 \
-                UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $3) m) \
+             rolled_back_seq = $7 \
              WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND promoted_ms = $6 \
              AND rolled_back_ms IS NULL",
         );
@@ -370,6 +415,7 @@ impl Lake {
             .bind(job)
             .bind(namespace)
             .bind(active.promoted_ms)
+            .bind(place)
             .execute(self.control_pool())
             .await
             .map_err(|e| LakeError::sql("roll back a promotion", e))?;

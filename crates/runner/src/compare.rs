@@ -370,7 +370,7 @@ pub async fn promote(
     // bounds are its events').
     let ns_table = record.output_table(spec)?;
     lake.ensure_output_table(ns_table).await?;
-    let recorded: Option<Vec<i64>> = BackfillStore::open(lake.clone())
+    let recorded: Vec<Option<i64>> = BackfillStore::open(lake.clone())
         .await?
         .subranges(&record.job, &record.namespace)
         .await?
@@ -400,9 +400,12 @@ pub async fn promote(
         })
     };
     let first_partial = value(0);
-    let watermark = match recorded {
-        Some(w) if !w.is_empty() => w.into_iter().min(),
-        _ => value(1),
+    // Sub-ranges done across an upgrade: the lowest recorded, or the rows' if lower.
+    let known = recorded.iter().flatten().copied().min();
+    let watermark = if !recorded.is_empty() && recorded.iter().all(Option::is_some) {
+        known
+    } else {
+        [known, value(1)].into_iter().flatten().min()
     };
     let Some(watermark) = watermark else {
         return Err(RunnerError::new(
@@ -454,7 +457,7 @@ pub async fn promote(
         seq: None,
         rolled_back_seq: None,
     };
-    lake.promote(&promotion).await?;
+    let promotion = lake.promote(&promotion).await?;
     tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, "namespace promoted");
     Ok(promotion)
 }
