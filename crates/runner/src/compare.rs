@@ -340,9 +340,14 @@ pub async fn promote(
     // crosses, or events near its edges would be served twice or not at all.
     let (from_us, edge) = match (&live.window, &spec.window) {
         (a, b) if a == b => (record.from_us, None),
-        (WindowSpec::Tumbling { size: a }, WindowSpec::Tumbling { size: b }) => {
-            let lcm = lcm(micros(*a), micros(*b));
-            (ceil_to(record.from_us, lcm), Some(lcm))
+        (a, b) if tumbling_size(a).is_some() && tumbling_size(b).is_some() => {
+            let (a, b) = (tumbling_size(a).unwrap_or(1), tumbling_size(b).unwrap_or(1));
+            if a == b {
+                (record.from_us, None)
+            } else {
+                let lcm = lcm(a, b);
+                (ceil_to(record.from_us, lcm), Some(lcm))
+            }
         }
         _ => {
             return Err(RunnerError::new(
@@ -462,6 +467,15 @@ pub async fn promote(
     Ok(promotion)
 }
 
+/// The size of a window shape that tiles time (tumbling, or sliding by its own size), µs.
+fn tumbling_size(window: &WindowSpec) -> Option<i64> {
+    match window {
+        WindowSpec::Tumbling { size } => Some(micros(*size)),
+        WindowSpec::Sliding { size, slide } if size == slide => Some(micros(*size)),
+        _ => None,
+    }
+}
+
 /// The least common multiple of two positive lengths (saturating).
 fn lcm(a: i64, b: i64) -> i64 {
     let (mut x, mut y) = (a.max(1), b.max(1));
@@ -501,5 +515,20 @@ mod tests {
         assert_eq!(ceil_to(61 * min, 5 * min), 65 * min);
         assert_eq!(ceil_to(60 * min, 5 * min), 60 * min);
         assert_eq!(ceil_to(-min, 5 * min), 0);
+        let minute = std::time::Duration::from_secs(60);
+        assert_eq!(
+            tumbling_size(&WindowSpec::Sliding {
+                size: minute,
+                slide: minute
+            }),
+            tumbling_size(&WindowSpec::Tumbling { size: minute })
+        );
+        assert_eq!(
+            tumbling_size(&WindowSpec::Sliding {
+                size: 10 * minute,
+                slide: minute
+            }),
+            None
+        );
     }
 }
