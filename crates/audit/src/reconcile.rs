@@ -549,9 +549,16 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     // before `from` (within a gap it continues an earlier session). Every other copy of an
     // identity read is read too, whatever its event time: whether a copy counts depends
     // on the copies before it (a chain of copies each stamped anew), for dedup only.
+    // Copies read for dedup only are marked `extra`, and sessions leave them out: the
+    // sessions are formed from the records read in one piece, from a dedup horizon (and
+    // the out-of-orderness bound) before `from`, so that the sessions a record before
+    // `from` meets at its arrival are there to judge it.
     let (read_from, read_end) = match rules.gap {
         None => (from, Some(to.saturating_add(rules.size))),
-        Some(gap) => (from.saturating_sub(gap), None),
+        Some(gap) => (
+            from.saturating_sub(gap.max(rules.horizon.saturating_add(rules.bound))),
+            None,
+        ),
     };
     let within = |column: &str| {
         format!(
@@ -598,10 +605,11 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
              row_number() OVER (ORDER BY CAST(ingest_time AS BIGINT), {seq}, tenant, event_id) AS rid, \
              CAST(tenant AS VARCHAR) AS tenant, CAST(event_id AS VARCHAR) AS event_id, \
              CAST(event_type AS VARCHAR) AS event_type, CAST(event_time AS BIGINT) AS t, \
-             CAST(ingest_time AS BIGINT) AS ingest, {seq} AS seq, {key} AS key, {in_scope} AS in_scope{agg_select} \
-             FROM (SELECT * FROM audit_events WHERE {within} \
+             CAST(ingest_time AS BIGINT) AS ingest, {seq} AS seq, {key} AS key, {in_scope} AS in_scope, \
+             extra{agg_select} \
+             FROM (SELECT *, FALSE AS extra FROM audit_events WHERE {within} \
                    UNION ALL \
-                   SELECT e.* FROM audit_events e \
+                   SELECT e.*, TRUE AS extra FROM audit_events e \
                    JOIN (SELECT DISTINCT tenant AS c_tenant, event_id AS c_event_id FROM audit_events WHERE {within}) c \
                    ON e.tenant = c.c_tenant AND e.event_id = c.c_event_id \
                    WHERE NOT ({within_e})) r",
@@ -727,7 +735,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
             let batches = run(
                 &ctx,
                 "session arrivals",
-                "SELECT rid, key, t, wm FROM audit_pre WHERE class0 = 'first' ORDER BY ingest, seq, rid",
+                "SELECT rid, key, t, wm FROM audit_pre WHERE class0 = 'first' AND NOT extra \
+                 ORDER BY ingest, seq, rid",
             )
             .await?;
             let mut rows = Vec::new();
@@ -819,7 +828,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         Some(gap) => format!(
             "WITH o AS (SELECT rid, key, t, CASE WHEN lag(t) OVER (PARTITION BY key ORDER BY t, rid) IS NULL \
                     OR t - lag(t) OVER (PARTITION BY key ORDER BY t, rid) >= {gap} THEN 1 ELSE 0 END AS brk \
-                    FROM audit_classified WHERE class = 'counted'), \
+                    FROM audit_classified WHERE class = 'counted' AND NOT extra), \
                   s AS (SELECT rid, key, t, sum(brk) OVER (PARTITION BY key ORDER BY t, rid \
                     ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS sid FROM o) \
              SELECT rid, key, min(t) OVER (PARTITION BY key, sid) AS ws, \
@@ -1019,6 +1028,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let routed_extra_sql = format!(
         "SELECT l.tenant, l.event_id, l.t, l.ingest, coalesce(c.class, 'not_in_events') FROM audit_routed l \
          LEFT JOIN audit_classified c ON c.tenant = l.tenant AND c.event_id = l.event_id AND c.ingest = l.ingest \
+         AND c.t = l.t \
          WHERE c.class IS NULL OR c.class NOT IN {late_classes} ORDER BY l.t"
     );
     let not_routed = late_list(&ctx, &not_routed_sql).await?;

@@ -105,6 +105,27 @@ pub fn authoritative(promotions: &[Promotion], window_start_us: i64) -> &str {
         .map_or("live", |p| p.namespace.as_str())
 }
 
+/// Takes the next place in the order of promotions and rollbacks, after every place taken
+/// before (also those recorded in `sw_promotions` alone, by an earlier version). Run in
+/// the transaction that records the promotion or rollback: a second taker of the same
+/// place waits on the key until the first commits, then fails and takes the next, so
+/// places are committed in their order (a place taken but never recorded would let a
+/// later one be recorded first).
+const TAKE_PLACE: &str = "INSERT INTO sw_promotion_order (catalog_name, seq) \
+     SELECT $1, COALESCE(MAX(m.x), 0) + 1 FROM ( \
+       SELECT seq AS x FROM sw_promotion_order WHERE catalog_name = $1 \
+       UNION ALL SELECT seq FROM sw_promotions WHERE catalog_name = $1 \
+       UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $1) m \
+     RETURNING seq";
+
+/// Attempts at taking a place (or recording a promotion) before giving up.
+const PLACE_ATTEMPTS: i64 = 20;
+
+fn unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.is_unique_violation())
+}
+
 impl Lake {
     /// `sql` with the control database's placeholders: `$n` as written for PostgreSQL,
     /// `?` for SQLite.
@@ -138,36 +159,6 @@ impl Lake {
         .await
         .map_err(|e| LakeError::sql("create sw_promotion_order", e))?;
         self.migrate_promotions().await
-    }
-
-    /// Takes the next place in the order of promotions and rollbacks: after every place
-    /// taken before (also those recorded in `sw_promotions` alone, by an earlier version).
-    /// Two takers at once collide on the key, and the loser takes the next.
-    async fn next_place(&self) -> Result<i64> {
-        let sql = self.control_sql(
-            "INSERT INTO sw_promotion_order (catalog_name, seq) \
-             SELECT $1, COALESCE(MAX(m.x), 0) + 1 FROM ( \
-               SELECT seq AS x FROM sw_promotion_order WHERE catalog_name = $1 \
-               UNION ALL SELECT seq FROM sw_promotions WHERE catalog_name = $1 \
-               UNION ALL SELECT rolled_back_seq FROM sw_promotions WHERE catalog_name = $1) m \
-             RETURNING seq",
-        );
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match sqlx::query_scalar::<_, i64>(&sql)
-                .bind(self.config().catalog_name.as_str())
-                .fetch_one(self.control_pool())
-                .await
-            {
-                Ok(place) => return Ok(place),
-                Err(e)
-                    if attempt < 20
-                        && e.as_database_error()
-                            .is_some_and(|d| d.is_unique_violation()) => {}
-                Err(e) => return Err(LakeError::sql("take a place in the promotions' order", e)),
-            }
-        }
     }
 
     /// Brings an `sw_promotions` made by an earlier version up to date: the `seq` column
@@ -319,19 +310,31 @@ impl Lake {
                 ),
             ));
         }
-        // (A collision on the key, the same namespace promoted again within the same
-        // millisecond, is retried a millisecond later.)
-        let seq = self.next_place().await?;
-        let sql = self.control_sql(
+        // A place and the row are recorded in one transaction (see [`TAKE_PLACE`]). A
+        // collision on the promotions' key, the same namespace promoted again within the
+        // same millisecond, is retried a millisecond later.
+        let take = self.control_sql(TAKE_PLACE);
+        let insert = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         );
+        let sql_error = |e| LakeError::sql("record a promotion", e);
         let mut attempt = 0;
         loop {
             attempt += 1;
             let promoted_ms = promotion.promoted_ms + attempt - 1;
-            let recorded = sqlx::query(&sql)
+            let mut tx = self.control_pool().begin().await.map_err(sql_error)?;
+            let seq = match sqlx::query_scalar::<_, i64>(&take)
+                .bind(self.config().catalog_name.as_str())
+                .fetch_one(&mut *tx)
+                .await
+            {
+                Ok(seq) => seq,
+                Err(e) if unique_violation(&e) && attempt < PLACE_ATTEMPTS => continue,
+                Err(e) => return Err(sql_error(e)),
+            };
+            let recorded = sqlx::query(&insert)
                 .bind(self.config().catalog_name.as_str())
                 .bind(&promotion.job)
                 .bind(&promotion.namespace)
@@ -343,10 +346,11 @@ impl Lake {
                 .bind(&promotion.promoted_by)
                 .bind(promoted_ms)
                 .bind(seq)
-                .execute(self.control_pool())
+                .execute(&mut *tx)
                 .await;
-            let e = match recorded {
+            match recorded {
                 Ok(_) => {
+                    tx.commit().await.map_err(sql_error)?;
                     return Ok(Promotion {
                         promoted_ms,
                         seq: Some(seq),
@@ -356,27 +360,24 @@ impl Lake {
                         ..promotion.clone()
                     });
                 }
-                Err(e) => e,
-            };
-            let unique = e
-                .as_database_error()
-                .is_some_and(|d| d.is_unique_violation());
-            if !unique {
-                return Err(LakeError::sql("record a promotion", e));
-            }
-            let active = self
-                .active_promotions(&promotion.job)
-                .await?
-                .into_iter()
-                .any(|p| p.namespace == promotion.namespace);
-            if active || attempt >= 5 {
-                return Err(LakeError::new(
-                    ErrorKind::Conflict,
-                    format!(
-                        "namespace `{}` of {} was promoted concurrently: {e}",
-                        promotion.namespace, promotion.job
-                    ),
-                ));
+                Err(e) if unique_violation(&e) => {
+                    drop(tx);
+                    let active = self
+                        .active_promotions(&promotion.job)
+                        .await?
+                        .into_iter()
+                        .any(|p| p.namespace == promotion.namespace);
+                    if active || attempt >= PLACE_ATTEMPTS {
+                        return Err(LakeError::new(
+                            ErrorKind::Conflict,
+                            format!(
+                                "namespace `{}` of {} was promoted concurrently: {e}",
+                                promotion.namespace, promotion.job
+                            ),
+                        ));
+                    }
+                }
+                Err(e) => return Err(sql_error(e)),
             }
         }
     }
@@ -401,29 +402,47 @@ impl Lake {
             ));
         };
         let now = chrono::Utc::now().timestamp_millis();
-        let place = self.next_place().await?;
+        let take = self.control_sql(TAKE_PLACE);
         let sql = self.control_sql(
             "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2, \
              rolled_back_seq = $7 \
              WHERE catalog_name = $3 AND job = $4 AND namespace = $5 AND promoted_ms = $6 \
              AND rolled_back_ms IS NULL",
         );
-        let done = sqlx::query(&sql)
-            .bind(by)
-            .bind(now)
-            .bind(self.config().catalog_name.as_str())
-            .bind(job)
-            .bind(namespace)
-            .bind(active.promoted_ms)
-            .bind(place)
-            .execute(self.control_pool())
-            .await
-            .map_err(|e| LakeError::sql("roll back a promotion", e))?;
-        if done.rows_affected() != 1 {
-            return Err(LakeError::new(
-                ErrorKind::Conflict,
-                format!("the promotion of `{namespace}` was rolled back concurrently"),
-            ));
+        let sql_error = |e| LakeError::sql("roll back a promotion", e);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            // The place and the rollback in one transaction (see [`TAKE_PLACE`]).
+            let mut tx = self.control_pool().begin().await.map_err(sql_error)?;
+            let place = match sqlx::query_scalar::<_, i64>(&take)
+                .bind(self.config().catalog_name.as_str())
+                .fetch_one(&mut *tx)
+                .await
+            {
+                Ok(place) => place,
+                Err(e) if unique_violation(&e) && attempt < PLACE_ATTEMPTS => continue,
+                Err(e) => return Err(sql_error(e)),
+            };
+            let done = sqlx::query(&sql)
+                .bind(by)
+                .bind(now)
+                .bind(self.config().catalog_name.as_str())
+                .bind(job)
+                .bind(namespace)
+                .bind(active.promoted_ms)
+                .bind(place)
+                .execute(&mut *tx)
+                .await
+                .map_err(sql_error)?;
+            if done.rows_affected() != 1 {
+                return Err(LakeError::new(
+                    ErrorKind::Conflict,
+                    format!("the promotion of `{namespace}` was rolled back concurrently"),
+                ));
+            }
+            tx.commit().await.map_err(sql_error)?;
+            break;
         }
         active.rolled_back_by = Some(by.to_string());
         active.rolled_back_ms = Some(now);
