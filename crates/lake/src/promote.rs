@@ -161,6 +161,17 @@ impl Lake {
         self.migrate_promotions().await
     }
 
+    /// Takes the next place in the order within `tx` (see [`TAKE_PLACE`]).
+    async fn take_place(
+        &self,
+        tx: &mut sqlx::AnyConnection,
+    ) -> std::result::Result<i64, sqlx::Error> {
+        sqlx::query_scalar::<_, i64>(&self.control_sql(TAKE_PLACE))
+            .bind(self.config().catalog_name.as_str())
+            .fetch_one(tx)
+            .await
+    }
+
     /// Brings an `sw_promotions` made by an earlier version up to date: the `seq` column
     /// and the two unique indexes (one order; one active promotion per namespace). What is
     /// there is read first, in one query each, so DDL runs only when something is missing.
@@ -313,7 +324,6 @@ impl Lake {
         // A place and the row are recorded in one transaction (see [`TAKE_PLACE`]). A
         // collision on the promotions' key, the same namespace promoted again within the
         // same millisecond, is retried a millisecond later.
-        let take = self.control_sql(TAKE_PLACE);
         let insert = self.control_sql(
             "INSERT INTO sw_promotions (catalog_name, job, namespace, job_version, live_table, \
              namespace_table, from_us, to_us, promoted_by, promoted_ms, seq) \
@@ -325,11 +335,7 @@ impl Lake {
             attempt += 1;
             let promoted_ms = promotion.promoted_ms + attempt - 1;
             let mut tx = self.control_pool().begin().await.map_err(sql_error)?;
-            let seq = match sqlx::query_scalar::<_, i64>(&take)
-                .bind(self.config().catalog_name.as_str())
-                .fetch_one(&mut *tx)
-                .await
-            {
+            let seq = match self.take_place(&mut tx).await {
                 Ok(seq) => seq,
                 Err(e) if unique_violation(&e) && attempt < PLACE_ATTEMPTS => continue,
                 Err(e) => return Err(sql_error(e)),
@@ -402,7 +408,6 @@ impl Lake {
             ));
         };
         let now = chrono::Utc::now().timestamp_millis();
-        let take = self.control_sql(TAKE_PLACE);
         let sql = self.control_sql(
             "UPDATE sw_promotions SET rolled_back_by = $1, rolled_back_ms = $2, \
              rolled_back_seq = $7 \
@@ -415,11 +420,7 @@ impl Lake {
             attempt += 1;
             // The place and the rollback in one transaction (see [`TAKE_PLACE`]).
             let mut tx = self.control_pool().begin().await.map_err(sql_error)?;
-            let place = match sqlx::query_scalar::<_, i64>(&take)
-                .bind(self.config().catalog_name.as_str())
-                .fetch_one(&mut *tx)
-                .await
-            {
+            let place = match self.take_place(&mut tx).await {
                 Ok(place) => place,
                 Err(e) if unique_violation(&e) && attempt < PLACE_ATTEMPTS => continue,
                 Err(e) => return Err(sql_error(e)),

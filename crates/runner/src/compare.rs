@@ -338,16 +338,13 @@ pub async fn promote(
     }
     // Two window shapes: the promotion may only begin and end where no window of either
     // crosses, or events near its edges would be served twice or not at all.
-    let (from_us, edge) = match (&live.window, &spec.window) {
-        (a, b) if a == b => (record.from_us, None),
-        (a, b) if tumbling_size(a).is_some() && tumbling_size(b).is_some() => {
-            let (a, b) = (tumbling_size(a).unwrap_or(1), tumbling_size(b).unwrap_or(1));
-            if a == b {
-                (record.from_us, None)
-            } else {
-                let lcm = lcm(a, b);
-                (ceil_to(record.from_us, lcm), Some(lcm))
-            }
+    let tiles = (tumbling_size(&live.window), tumbling_size(&spec.window));
+    let (from_us, edge) = match tiles {
+        _ if live.window == spec.window => (record.from_us, None),
+        (Some(a), Some(b)) if a == b => (record.from_us, None),
+        (Some(a), Some(b)) => {
+            let lcm = lcm(a, b);
+            (ceil_to(record.from_us, lcm), Some(lcm))
         }
         _ => {
             return Err(RunnerError::new(
