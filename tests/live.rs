@@ -637,3 +637,249 @@ async fn a_new_job_holds_its_first_snapshot_before_reading_it() {
     assert_eq!(second.snapshots, 2);
     assert_eq!((first.records + second.records) as usize, total);
 }
+
+/// Events of the fixture's generator (with its late and repeated events), in one batch.
+fn generated_events(events: u64) -> arrow::array::RecordBatch {
+    use signalweave_fixtures::{Generator, Record, WorkloadSpec};
+    let spec = WorkloadSpec {
+        events,
+        ..Default::default()
+    };
+    let mut builder = signalweave_model::EventBatchBuilder::with_capacity(events as usize);
+    for r in Generator::new(spec) {
+        if let Record::Event(e) | Record::Duplicate(e) = r {
+            builder.push(&e);
+        }
+    }
+    builder.finish().unwrap()
+}
+
+/// 200 s of the generator's events, landed in commits of 1,000.
+async fn land_in_commits(lake: &signalweave_lake::Lake) {
+    let events = generated_events(20_000);
+    for (seq, from) in (0..events.num_rows()).step_by(1_000).enumerate() {
+        let len = 1_000.min(events.num_rows() - from);
+        lake.append(
+            signalweave_lake::LakeTable::Events,
+            &[events.slice(from, len)],
+            &signalweave_lake::CommitIdentity::new("t", seq as u64),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+async fn count_rows(lake: &signalweave_lake::Lake, sql: &str) -> i64 {
+    use arrow::array::AsArray;
+    use arrow::datatypes::Int64Type;
+    let ctx = lake.session_context().await.unwrap();
+    let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
+    batches[0].column(0).as_primitive::<Int64Type>().value(0)
+}
+
+/// A restart does not commit the current checkpoint's late rows again. They were
+/// committed before the checkpoint became current, and their commit's identity is
+/// forgotten some days after its snapshot expires (an erasure expires snapshots held or
+/// not): committed again, they would then land twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
+    use std::sync::Arc;
+
+    use signalweave_lake::{Lake, LakeConfig, LakeTable, MaintenancePolicy, Retention};
+    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
+
+    let dir = tempfile::tempdir().unwrap();
+    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+    lake.init().await.unwrap();
+    // Read one commit at a time: the watermark moves between them, past the windows of
+    // the late events the generator ends with.
+    land_in_commits(&lake).await;
+    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
+    let recover = |namespace: &str| {
+        let config = LiveConfig {
+            namespace: namespace.to_string(),
+            checkpoint_interval: Duration::from_secs(3600),
+            max_snapshots_per_step: 1,
+            ..LiveConfig::default()
+        };
+        LiveJob::recover(
+            lake.clone(),
+            Arc::clone(&spec),
+            config,
+            Arc::new(RunnerMetrics::new()),
+        )
+    };
+    // One epoch: its checkpoint holds every late row.
+    let mut job = recover("live").await.unwrap();
+    while job.step(false).await.unwrap().snapshots > 0 {}
+    job.step(true).await.unwrap();
+    assert_eq!(job.epoch(), 1);
+    let late_sql = "select count(*) from signalweave.late_events where namespace = 'live'";
+    let late = count_rows(&lake, late_sql).await;
+    assert!(late > 0, "the fixture's late events are late for this job");
+    drop(job);
+    // The snapshot of that commit expires (here, its hold dropped and a later commit
+    // kept alone), and its recorded identity is forgotten.
+    let mut other = recover("other").await.unwrap();
+    while other.step(false).await.unwrap().snapshots > 0 {}
+    other.step(true).await.unwrap();
+    sqlx::query("DELETE FROM sw_snapshot_holds WHERE holder NOT LIKE '%other%'")
+        .execute(lake.control_pool())
+        .await
+        .unwrap();
+    let keep_one = MaintenancePolicy {
+        retention: Some(Retention {
+            keep_last: 1,
+            max_age_ms: 0,
+        }),
+        ..Default::default()
+    };
+    lake.maintain(LakeTable::LateEvents, &keep_one)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM sw_commit_identities")
+        .execute(lake.control_pool())
+        .await
+        .unwrap();
+    // The restart restores the checkpoint and lands none of its late rows again.
+    let job = recover("live").await.unwrap();
+    assert_eq!(job.epoch(), 1);
+    assert_eq!(count_rows(&lake, late_sql).await, late);
+}
+
+/// A job whose lease renewals fail (the catalog database unreachable from it, here a
+/// trigger refusing them) stops committing before another instance could take the
+/// lease, stalls with a retryable error, and commits once a renewal succeeds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
+    use std::sync::Arc;
+
+    use signalweave_lake::{Lake, LakeConfig};
+    use signalweave_model::ErrorKind;
+    use signalweave_runner::{LIVE_LEASE_COMMIT_WITHIN, LiveConfig, LiveJob, RunnerMetrics};
+
+    let dir = tempfile::tempdir().unwrap();
+    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+    lake.init().await.unwrap();
+    land_in_commits(&lake).await;
+    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
+    let config = LiveConfig {
+        checkpoint_interval: Duration::from_secs(3600),
+        max_snapshots_per_step: 1,
+        ..LiveConfig::default()
+    };
+    let mut job = LiveJob::recover(
+        lake.clone(),
+        Arc::clone(&spec),
+        config.clone(),
+        Arc::new(RunnerMetrics::new()),
+    )
+    .await
+    .unwrap();
+    let pool = lake.control_pool();
+    sqlx::query(
+        "CREATE TRIGGER sw_leases_frozen BEFORE UPDATE ON sw_leases \
+         BEGIN SELECT RAISE(ABORT, 'the lease table is frozen'); END",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let outputs = "select count(*) from signalweave.strict_markets";
+    while job.step(false).await.unwrap().snapshots > 0 {}
+    tokio::time::sleep(LIVE_LEASE_COMMIT_WITHIN + Duration::from_secs(1)).await;
+    let e = job.step(true).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("lease"), "{e}");
+    assert_eq!(count_rows(&lake, outputs).await, 0);
+    assert_eq!(job.epoch(), 0);
+    sqlx::query("DROP TRIGGER sw_leases_frozen")
+        .execute(pool)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    drop(job);
+    let mut job = LiveJob::recover(lake.clone(), spec, config, Arc::new(RunnerMetrics::new()))
+        .await
+        .unwrap();
+    while job.step(false).await.unwrap().snapshots > 0 {}
+    job.step(true).await.unwrap();
+    assert_eq!(job.epoch(), 1);
+    assert!(count_rows(&lake, outputs).await > 0);
+}
+
+/// Files under `dir` whose names end with `suffix`.
+fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.to_string_lossy().ends_with(suffix) {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// A job that stalls and then cannot recover, for a reason no retry mends (here its
+/// checkpoint corrupt), fails once that has lasted its grace, with the error, instead of
+/// retrying every few seconds for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_cannot_recover_fails_instead_of_retrying_for_ever() {
+    use std::sync::Arc;
+
+    use signalweave_lake::{CommitIdentity, Lake, LakeConfig, LakeTable};
+    use signalweave_model::ErrorKind;
+    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
+
+    let dir = tempfile::tempdir().unwrap();
+    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
+    lake.init().await.unwrap();
+    land_in_commits(&lake).await;
+    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
+    let config = LiveConfig {
+        checkpoint_interval: Duration::from_secs(3600),
+        max_snapshots_per_step: 1,
+        permanent_failure_grace: Duration::from_secs(1),
+        ..LiveConfig::default()
+    };
+    let mut job = LiveJob::recover(lake.clone(), spec, config, Arc::new(RunnerMetrics::new()))
+        .await
+        .unwrap();
+    while job.step(false).await.unwrap().snapshots > 0 {}
+    job.step(true).await.unwrap();
+    assert_eq!(job.epoch(), 1);
+    let checkpoints = files_ending(dir.path(), ".ckpt");
+    assert!(!checkpoints.is_empty());
+    for c in checkpoints {
+        std::fs::write(c, b"not a checkpoint").unwrap();
+    }
+    // The next read fails (a data file gone), so the job stalls and recovers.
+    let before = files_ending(dir.path(), ".parquet");
+    lake.append(
+        LakeTable::Events,
+        &[generated_events(100)],
+        &CommitIdentity::new("after", 0),
+    )
+    .await
+    .unwrap();
+    for f in files_ending(dir.path(), ".parquet") {
+        if !before.contains(&f) {
+            std::fs::remove_file(f).unwrap();
+        }
+    }
+    let status = job.status();
+    let ended = tokio::time::timeout(Duration::from_secs(60), job.run(std::future::pending()))
+        .await
+        .expect("the job fails instead of retrying for ever");
+    let Err(e) = ended else {
+        panic!("the job cannot recover, yet its run ended well");
+    };
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    let status = status.lock().unwrap();
+    assert_eq!(status.state, "failed");
+    assert_eq!(status.last_error.as_deref(), Some(e.to_string().as_str()));
+}

@@ -35,6 +35,11 @@ pub struct JobArgs {
     /// How often the landing table is polled for new snapshots.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
     pub poll_interval: Duration,
+    /// A job whose failures no retry can mend (a corrupt checkpoint, a configuration
+    /// error, an invalid input) recovers from its checkpoint until they have lasted this
+    /// long, then fails: the process exits with the error instead of retrying for ever.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1m")]
+    pub fail_after: Duration,
     /// Most landing-table snapshots read in one step.
     #[arg(long, default_value_t = 32)]
     pub max_snapshots_per_step: usize,
@@ -78,6 +83,7 @@ impl JobArgs {
             keep_checkpoints: self.keep_checkpoints,
             freshness_sample_every: self.freshness_sample_every,
             fault,
+            permanent_failure_grace: self.fail_after,
             ..LiveConfig::default()
         })
     }

@@ -28,6 +28,7 @@ pub use checkpoint::{CHECKPOINT_FORMAT_VERSION, Checkpoint, CheckpointRef, Check
 pub use error::{Result, RunnerError};
 pub use late::{LateEvent, extract as extract_late, to_batch as late_batch};
 pub use live::{
-    FaultPoint, FaultStage, LiveConfig, LiveJob, StepReport, backfill_output_table, output_table,
+    FaultPoint, FaultStage, LIVE_LEASE_COMMIT_WITHIN, LIVE_LEASE_TTL, LiveConfig, LiveJob,
+    StepReport, backfill_output_table, output_table,
 };
 pub use metrics::{BackfillMetrics, JobStatus, Labels, RunnerMetrics, SharedStatus};

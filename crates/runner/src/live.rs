@@ -13,10 +13,10 @@
 //!    source position and its sink snapshots against expiry.
 //!
 //! The first sink commit is the commit point. On start the job reads the pointer; if a
-//! prepared checkpoint after it has a sink commit, the pointer rolls forward to it. It then
-//! restores that checkpoint and commits its late records again (its outputs are committed:
-//! that made it current); commits that exist are recognised by their identity and skipped,
-//! so replay is harmless. A crash
+//! prepared checkpoint after it has a sink commit, the job finishes that checkpoint's sink
+//! commit (commits that exist are recognised by their identity and skipped) and then rolls
+//! the pointer forward to it. It then restores the pointer's checkpoint, whose sink commit
+//! is whole, and commits nothing of it again. A crash
 //! before the first sink commit of `e` loses nothing: the job restarts from `e - 1` and
 //! reads the same snapshots again. Output versions that no commit made visible may be
 //! emitted again with other values; versions that were committed never are.
@@ -120,6 +120,12 @@ pub struct LiveConfig {
     /// Who runs the job: the owner of its lease (see [`LIVE_LEASE_TTL`]). One per process
     /// by default, so a job recovered in the same process keeps its lease.
     pub instance: String,
+    /// How long failures that no retry can mend ([`ErrorKind::retryable`] false: a
+    /// corrupt checkpoint, a configuration error) may last, the job recovering from its
+    /// checkpoint meanwhile, before [`LiveJob::run`] fails with the last of them. A
+    /// retryable failure in between (an outage) starts the count again. (Some outages
+    /// surface as such errors: a torn read is invalid input. So they get this long.)
+    pub permanent_failure_grace: Duration,
 }
 
 /// How long a live job's lease lasts unless renewed (every second while it runs). A second
@@ -138,9 +144,18 @@ pub fn process_instance() -> String {
     INSTANCE.clone()
 }
 
-/// Renews a live job's lease every second; says when another instance took it.
+/// How recent the last renewal the catalog database took must be for the job to commit.
+/// Another instance can take the lease [`LIVE_LEASE_TTL`] after that renewal was sent;
+/// the rest of the TTL is for the commit itself and for the clocks of two hosts to
+/// disagree.
+pub const LIVE_LEASE_COMMIT_WITHIN: Duration = Duration::from_secs(5);
+
+/// Renews a live job's lease every second; says when another instance took it, and
+/// whether the lease is still surely held (see [`LeaseKeeper::check`]).
 struct LeaseKeeper {
     lost: Arc<AtomicBool>,
+    /// When the last renewal the database took was sent (monotonic).
+    renewed: Arc<Mutex<Instant>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -155,7 +170,9 @@ impl LeaseKeeper {
     /// [`LIVE_LEASE_TTL`] (and a second) for another holder's to run out, then renews it.
     async fn take(lake: &Lake, job: &str, namespace: &str, owner: &str) -> Result<Self> {
         let deadline = Instant::now() + LIVE_LEASE_TTL + Duration::from_secs(1);
+        let mut sent;
         loop {
+            sent = Instant::now();
             match lake
                 .take_lease(LIVE_LEASE, job, namespace, owner, LIVE_LEASE_TTL)
                 .await
@@ -174,6 +191,7 @@ impl LeaseKeeper {
             }
         }
         let lost = Arc::new(AtomicBool::new(false));
+        let renewed = Arc::new(Mutex::new(sent));
         let task = {
             let (lake, job, namespace, owner) = (
                 lake.clone(),
@@ -181,15 +199,20 @@ impl LeaseKeeper {
                 namespace.to_string(),
                 owner.to_string(),
             );
-            let lost = Arc::clone(&lost);
+            let (lost, renewed) = (Arc::clone(&lost), Arc::clone(&renewed));
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
+                    let sent = Instant::now();
                     match lake
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
                         .await
                     {
-                        Ok(()) => {}
+                        Ok(()) => {
+                            if let Ok(mut at) = renewed.lock() {
+                                *at = sent;
+                            }
+                        }
                         Err(e) if e.kind() == ErrorKind::Conflict => {
                             tracing::error!(job, namespace, error = %e, "the live job's lease was taken");
                             lost.store(true, Ordering::SeqCst);
@@ -203,14 +226,43 @@ impl LeaseKeeper {
                 }
             })
         };
-        Ok(Self { lost, task })
+        Ok(Self {
+            lost,
+            renewed,
+            task,
+        })
     }
 
+    /// Whether the job may commit now: the lease was not taken, and its last renewal the
+    /// database took was sent within [`LIVE_LEASE_COMMIT_WITHIN`]. A job whose renewals
+    /// fail (the catalog database unreachable from it) stops committing before another
+    /// instance can take the lease, instead of committing over that instance's work: it
+    /// stalls (a retryable error) and takes the lease again to recover.
     fn check(&self) -> Result<()> {
+        self.check_at(Instant::now())
+    }
+
+    fn check_at(&self, now: Instant) -> Result<()> {
         if self.lost.load(Ordering::SeqCst) {
             return Err(RunnerError::new(
                 ErrorKind::Conflict,
                 "another instance of the job took its lease: this one stops",
+            ));
+        }
+        let renewed = *self
+            .renewed
+            .lock()
+            .map_err(|_| RunnerError::new(ErrorKind::Internal, "the lease's renewal time"))?;
+        let since = now.saturating_duration_since(renewed);
+        if since > LIVE_LEASE_COMMIT_WITHIN {
+            return Err(RunnerError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "the job's lease was last renewed {:.1} s ago (another instance may take it \
+                     {} s after): no commit until it is renewed",
+                    since.as_secs_f64(),
+                    LIVE_LEASE_TTL.as_secs()
+                ),
             ));
         }
         Ok(())
@@ -228,6 +280,7 @@ impl Default for LiveConfig {
             freshness_sample_every: 8,
             key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
             fault: None,
+            permanent_failure_grace: Duration::from_secs(60),
             instance: process_instance(),
         }
     }
@@ -386,14 +439,16 @@ impl LiveJob {
         };
         let mut pointer = job.store.pointer().await?;
         // Roll forward: a prepared checkpoint after the pointer whose sink commit exists
-        // is the real current one (the crash came before the pointer moved).
+        // is the real current one (the crash came before the pointer moved). The pointer
+        // moves there once the rest of that sink commit is done (below).
+        let mut rolled_from = None;
         for prepared in job.store.list().await? {
             if prepared.epoch <= pointer.unwrap_or(0) {
                 break;
             }
             if job.sink_committed(prepared.epoch).await? {
                 tracing::info!(job = %job.spec.name, epoch = prepared.epoch, "rolling the checkpoint pointer forward to a committed epoch");
-                job.store.advance(pointer, prepared.epoch).await?;
+                rolled_from = Some(pointer);
                 pointer = Some(prepared.epoch);
                 break;
             }
@@ -428,8 +483,20 @@ impl LiveJob {
             job.position = checkpoint.position;
             job.checkpointed_position = checkpoint.position;
             job.epoch = epoch;
-            // Replay: commits that exist are recognised and skipped.
-            let (out_snapshot, late_snapshot) = job.commit_sink(&checkpoint, false).await?;
+            let (out_snapshot, late_snapshot) = match rolled_from {
+                // The crash came between the sink's first commit and the pointer: the rest
+                // of the sink commit is done (commits that exist are recognised by their
+                // identity and skipped), then the pointer moves.
+                Some(from) => {
+                    let committed = job.commit_sink(&checkpoint, false).await?;
+                    job.store.advance(from, epoch).await?;
+                    committed
+                }
+                // The pointer moves only once its epoch's sink commit is whole, so none of
+                // it is committed again. (An identity is forgotten some days after its
+                // snapshot expires: late rows committed again would then land twice.)
+                None => (None, None),
+            };
             job.expire_erasures();
             job.hold(out_snapshot, late_snapshot).await?;
             job.metrics
@@ -853,6 +920,7 @@ impl LiveJob {
                 self.fault(FaultStage::MidCommit, checkpoint.epoch);
             }
             self.committed_outputs = batch.num_rows() as u64;
+            self.lease.check()?;
             let outcome = self
                 .lake
                 .append_with_summary(self.output, &[batch], &identity, summary.clone())
@@ -891,6 +959,8 @@ impl LiveJob {
         }
         let batch = late::to_batch(&self.spec.name, &self.config.namespace, &late)?;
         let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
+        // Checked again before each commit: the one before may have taken a while.
+        self.lease.check()?;
         let outcome = self
             .lake
             .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
@@ -1030,11 +1100,14 @@ impl LiveJob {
     pub async fn run(mut self, shutdown: impl std::future::Future<Output = ()>) -> Result<Self> {
         tokio::pin!(shutdown);
         let mut backoff = Duration::from_millis(200);
+        // Since when every failure has been one no retry can mend.
+        let mut permanent_since: Option<Instant> = None;
         loop {
             let step = self.step(false).await;
             match step {
                 Ok(r) => {
                     backoff = Duration::from_millis(200);
+                    permanent_since = None;
                     let idle = r.snapshots == 0;
                     if idle {
                         tokio::select! {
@@ -1045,10 +1118,7 @@ impl LiveJob {
                         break;
                     }
                 }
-                Err(e)
-                    if e.kind() == ErrorKind::Conflict
-                        && e.to_string().contains("another instance") =>
-                {
+                Err(e) if self.fatal(&e, &mut permanent_since) => {
                     tracing::error!(job = %self.spec.name, error = %e, "live job failed");
                     self.set_state("failed", Some(e.to_string()));
                     return Err(e);
@@ -1087,6 +1157,11 @@ impl LiveJob {
                                 self = job;
                                 break;
                             }
+                            Err(e) if self.fatal(&e, &mut permanent_since) => {
+                                tracing::error!(job = %self.spec.name, error = %e, "live job failed: it cannot recover");
+                                self.set_state("failed", Some(e.to_string()));
+                                return Err(e);
+                            }
                             Err(e) => {
                                 if let Ok(mut s) = status.lock() {
                                     s.last_error = Some(e.to_string());
@@ -1103,6 +1178,21 @@ impl LiveJob {
         self.release_lease().await;
         self.set_state("stopped", None);
         Ok(self)
+    }
+
+    /// Whether failure `e` ends [`LiveJob::run`]: another instance runs the job, or every
+    /// failure since `permanent_since` (which this updates) has been one no retry can
+    /// mend, for [`LiveConfig::permanent_failure_grace`].
+    fn fatal(&self, e: &RunnerError, permanent_since: &mut Option<Instant>) -> bool {
+        if e.kind() == ErrorKind::Conflict && e.to_string().contains("another instance") {
+            return true;
+        }
+        if e.retryable() {
+            *permanent_since = None;
+            return false;
+        }
+        let since = *permanent_since.get_or_insert_with(Instant::now);
+        since.elapsed() >= self.config.permanent_failure_grace
     }
 
     /// Gives the lease up after a clean stop, so the next instance need not wait for it
