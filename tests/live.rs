@@ -679,8 +679,8 @@ async fn count_rows(lake: &signalweave_lake::Lake, sql: &str) -> i64 {
 
 /// A restart does not commit the current checkpoint's late rows again. They were
 /// committed before the checkpoint became current, and their commit's identity is
-/// forgotten some days after its snapshot expires (an erasure expires snapshots held or
-/// not): committed again, they would then land twice.
+/// forgotten some days after its snapshot expires: committed again, they would then land
+/// twice. The job holds no snapshot of its sink's tables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
     use std::sync::Arc;
@@ -717,16 +717,26 @@ async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
     let late_sql = "select count(*) from signalweave.late_events where namespace = 'live'";
     let late = count_rows(&lake, late_sql).await;
     assert!(late > 0, "the fixture's late events are late for this job");
+    // The job holds its source position, and nothing of its sink's tables: a hold keeps
+    // every later snapshot, and its hold on `late_events` moved only with late rows.
+    let holds = "select count(*) from sw_snapshot_holds where holder = 'job:strict_markets:live' \
+                 and table_name <> 'events'";
+    let held = |sql: &'static str| {
+        let lake = lake.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(lake.control_pool())
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(held(holds).await, 0);
     drop(job);
-    // The snapshot of that commit expires (here, its hold dropped and a later commit
-    // kept alone), and its recorded identity is forgotten.
+    // The snapshot of that commit expires (a later commit kept alone), and its recorded
+    // identity is forgotten.
     let mut other = recover("other").await.unwrap();
     while other.step(false).await.unwrap().snapshots > 0 {}
     other.step(true).await.unwrap();
-    sqlx::query("DELETE FROM sw_snapshot_holds WHERE holder NOT LIKE '%other%'")
-        .execute(lake.control_pool())
-        .await
-        .unwrap();
     let keep_one = MaintenancePolicy {
         retention: Some(Retention {
             keep_last: 1,
@@ -741,10 +751,22 @@ async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
         .execute(lake.control_pool())
         .await
         .unwrap();
-    // The restart restores the checkpoint and lands none of its late rows again.
+    // A hold on `late_events` such as an earlier version of the job took.
+    sqlx::query(
+        "INSERT INTO sw_snapshot_holds (catalog_name, table_name, holder, snapshot_id, updated_ms) \
+         SELECT catalog_name, 'late_events', holder, snapshot_id, updated_ms \
+         FROM sw_snapshot_holds WHERE holder = 'job:strict_markets:live'",
+    )
+    .execute(lake.control_pool())
+    .await
+    .unwrap();
+    assert_eq!(held(holds).await, 1);
+    // The restart restores the checkpoint and lands none of its late rows again, and
+    // gives that hold up.
     let job = recover("live").await.unwrap();
     assert_eq!(job.epoch(), 1);
     assert_eq!(count_rows(&lake, late_sql).await, late);
+    assert_eq!(held(holds).await, 0);
 }
 
 /// A job whose lease renewals fail (the catalog database unreachable from it, here a

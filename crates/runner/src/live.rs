@@ -10,7 +10,7 @@
 //!    `late_events`, each an append whose snapshot summary carries the job, the namespace
 //!    and the epoch (commit identity `(sink writer, e)`);
 //! 3. the checkpoint pointer moves from `e - 1` to `e` by compare-and-set; the job holds its
-//!    source position and its sink snapshots against expiry.
+//!    source position against expiry.
 //!
 //! The first sink commit is the commit point. On start the job reads the pointer; if a
 //! prepared checkpoint after it has a sink commit, the job finishes that checkpoint's sink
@@ -483,22 +483,19 @@ impl LiveJob {
             job.position = checkpoint.position;
             job.checkpointed_position = checkpoint.position;
             job.epoch = epoch;
-            let (out_snapshot, late_snapshot) = match rolled_from {
-                // The crash came between the sink's first commit and the pointer: the rest
-                // of the sink commit is done (commits that exist are recognised by their
-                // identity and skipped), then the pointer moves.
-                Some(from) => {
-                    let committed = job.commit_sink(&checkpoint, false).await?;
-                    job.store.advance(from, epoch).await?;
-                    committed
-                }
-                // The pointer moves only once its epoch's sink commit is whole, so none of
-                // it is committed again. (An identity is forgotten some days after its
-                // snapshot expires: late rows committed again would then land twice.)
-                None => (None, None),
-            };
+            // The pointer moves only once its epoch's sink commit is whole, so none of it
+            // is committed again. (An identity is forgotten some days after its snapshot
+            // expires: late rows committed again would then land twice.) After a crash
+            // between the sink's first commit and the pointer, the rest of the sink commit
+            // is done (commits that exist are recognised by their identity and skipped),
+            // then the pointer moves.
+            if let Some(from) = rolled_from {
+                job.commit_sink(&checkpoint, false).await?;
+                job.store.advance(from, epoch).await?;
+            }
             job.expire_erasures();
-            job.hold(out_snapshot, late_snapshot).await?;
+            job.hold().await?;
+            job.release_sink_holds().await?;
             job.metrics
                 .checkpoint_bytes
                 .get_or_create(&job.labels)
@@ -788,7 +785,7 @@ impl LiveJob {
         // The sink commit is the commit point: never after another instance took over.
         self.lease.check()?;
         let sink_started = Instant::now();
-        let (out_snapshot, late_snapshot) = self.commit_sink(&checkpoint, true).await?;
+        self.commit_sink(&checkpoint, true).await?;
         self.expire_erasures();
         if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
             let secs = sink_started.elapsed().as_secs_f64();
@@ -808,7 +805,7 @@ impl LiveJob {
         self.epoch = epoch;
         self.checkpointed_position = self.position;
         self.last_checkpoint = Instant::now();
-        self.hold(out_snapshot, late_snapshot).await?;
+        self.hold().await?;
         for stages in self.freshness.visible(visible_at) {
             for (stage, secs) in STAGES.iter().zip(stages) {
                 self.metrics
@@ -862,12 +859,8 @@ impl LiveJob {
     }
 
     /// Commits a checkpoint's outputs, then its late records. With `fresh` false (replay
-    /// after a restart) every commit that exists is skipped. Returns the snapshots.
-    async fn commit_sink(
-        &mut self,
-        checkpoint: &Checkpoint,
-        fresh: bool,
-    ) -> Result<(Option<i64>, Option<i64>)> {
+    /// after a restart) every commit that exists is skipped.
+    async fn commit_sink(&mut self, checkpoint: &Checkpoint, fresh: bool) -> Result<()> {
         if let Some(erased) = self.erased.as_mut() {
             erased.read_new(&self.lake).await?;
         }
@@ -879,7 +872,6 @@ impl LiveJob {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        let mut out_snapshot = None;
         self.committed_outputs = 0;
         let batch = if checkpoint.outputs.is_empty() {
             None
@@ -921,14 +913,11 @@ impl LiveJob {
             }
             self.committed_outputs = batch.num_rows() as u64;
             self.lease.check()?;
-            let outcome = self
-                .lake
+            self.lake
                 .append_with_summary(self.output, &[batch], &identity, summary.clone())
                 .await?;
-            out_snapshot = Some(outcome.snapshot_id);
         }
-        let late_snapshot = self.commit_late(checkpoint, summary).await?;
-        Ok((out_snapshot, late_snapshot))
+        self.commit_late(checkpoint, summary).await
     }
 
     /// After a sink commit: the erasures whose windows have all settled are forgotten.
@@ -939,13 +928,12 @@ impl LiveJob {
         }
     }
 
-    /// Commits a checkpoint's late records, less those of erased windows; returns the
-    /// snapshot.
+    /// Commits a checkpoint's late records, less those of erased windows.
     async fn commit_late(
         &mut self,
         checkpoint: &Checkpoint,
         summary: HashMap<String, String>,
-    ) -> Result<Option<i64>> {
+    ) -> Result<()> {
         let late = match self.erased.as_mut() {
             Some(erased) => {
                 // Read again: an erasure rewrites late rows first, right after its record.
@@ -955,17 +943,16 @@ impl LiveJob {
             None => std::borrow::Cow::Borrowed(&checkpoint.late[..]),
         };
         if late.is_empty() {
-            return Ok(None);
+            return Ok(());
         }
         let batch = late::to_batch(&self.spec.name, &self.config.namespace, &late)?;
         let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
         // Checked again before each commit: the one before may have taken a while.
         self.lease.check()?;
-        let outcome = self
-            .lake
+        self.lake
             .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
             .await?;
-        Ok(Some(outcome.snapshot_id))
+        Ok(())
     }
 
     /// The next step's read. A job's first read plans at a retained snapshot, which
@@ -999,22 +986,25 @@ impl LiveJob {
         }
     }
 
-    /// Holds the source position and the sink snapshots against expiry: a restart needs
-    /// the position to read from and the sink commits to recognise.
-    async fn hold(&self, out_snapshot: Option<i64>, late_snapshot: Option<i64>) -> Result<()> {
-        let holder = self.store.holder();
+    /// Holds the source position against expiry: a restart reads on from it.
+    async fn hold(&self) -> Result<()> {
         if let Some(p) = self.position {
             self.lake
-                .hold_snapshot(LakeTable::Events, &holder, p)
+                .hold_snapshot(LakeTable::Events, &self.store.holder(), p)
                 .await?;
         }
-        if let Some(s) = out_snapshot {
-            self.lake.hold_snapshot(self.output, &holder, s).await?;
-        }
-        if let Some(s) = late_snapshot {
-            self.lake
-                .hold_snapshot(LakeTable::LateEvents, &holder, s)
-                .await?;
+        Ok(())
+    }
+
+    /// Gives up holds on the sink's tables, which earlier versions of the job took at
+    /// each checkpoint. A hold keeps its snapshot and every later one, and the job's hold
+    /// on `late_events` moved only with an epoch's late rows: it kept every later commit
+    /// of every job there. Nothing needs them: the pointer's checkpoint is never committed
+    /// again, and a commit's identity outlives its snapshot (`sw_commit_identities`).
+    async fn release_sink_holds(&self) -> Result<()> {
+        let holder = self.store.holder();
+        for table in [self.output, LakeTable::LateEvents] {
+            self.lake.release_snapshot(table, &holder).await?;
         }
         Ok(())
     }
