@@ -1084,6 +1084,72 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
     assert!(reasons.iter().any(|r| r == "body_timeout"), "{reasons:?}");
 }
 
+/// The bytes of bodies held at once are bounded: while two stalled clients hold nearly
+/// all the room, a request gets 503 `bytes_in_flight` with a Retry-After (nothing is wrong
+/// with it: nothing is recorded against it), and once the stalled bodies time out the same
+/// request is acknowledged. A budget too small for one whole request is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bytes_of_bodies_in_flight_are_bounded() {
+    use tokio::io::AsyncWriteExt;
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.limits.max_body_bytes = 1 << 20;
+    config.limits.max_decoded_bytes = 1 << 20;
+    config.queue.max_bytes = 1 << 20;
+    config.limits.max_bytes_in_flight = (2 << 20) - 1;
+    let e = config.validate().unwrap_err();
+    assert!(e.to_string().contains("limits.max_bytes_in_flight"), "{e}");
+    config.limits.max_bytes_in_flight = 2 << 20;
+    config.limits.body_timeout = Duration::from_secs(2);
+    let gw = start(config, &backend.config).await;
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        c.write_all(
+            format!(
+                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                1 << 20
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        c.write_all(&vec![b' '; (1 << 20) - 8 * 1024])
+            .await
+            .unwrap();
+        stalled.push(c);
+    }
+    let batch: Vec<Value> = (0..120)
+        .map(|i| event(&format!("room-{i}"), "tenant-0", "p-1"))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let a = loop {
+        let a = post(&gw.url, T0, &batch).await;
+        if a.status != 200 || Instant::now() > deadline {
+            break a;
+        }
+        // The stalled bodies were not all read yet: what this request landed is a
+        // duplicate next time, so the loop ends on the refusal.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
+    assert!(a.headers.contains_key("retry-after"));
+    assert_eq!(
+        metric(&gw.url, |l| l.contains("cause=\"bytes_in_flight\"")).await,
+        1.0
+    );
+    // The stalled bodies time out (408), and their room comes back.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let a = post(&gw.url, T0, &batch).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    drop(stalled);
+    gw.stop().await;
+    assert_eq!(landed(&backend.config).await.len(), 120);
+}
+
 /// SIGTERM while the store is down and a client stalls: the stop still ends. Requests
 /// waiting on a commit get 503 after the drain timeout, their events are counted as
 /// abandoned (the gateway exits 3), and connections still open a grace later are closed.

@@ -50,19 +50,54 @@ fn too_large(limit: usize) -> Rejection {
     )
 }
 
-fn read_limited(mut reader: impl Read, limit: usize, what: &str) -> Result<Vec<u8>, Rejection> {
-    let mut out = Vec::new();
-    let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
-    (&mut reader).take(cap).read_to_end(&mut out).map_err(|e| {
-        Rejection::new(
-            ReasonCode::MalformedBody,
-            format!("the {what} body does not decode: {e}"),
-        )
-    })?;
-    if out.len() > limit {
-        return Err(too_large(limit));
+/// Why a body was not decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Undecoded {
+    /// The body itself is at fault (malformed, too large, an unknown encoding).
+    Rejected(Rejection),
+    /// The memory for the decoded bytes was not granted: the gateway holds too many
+    /// bodies at once. Nothing is wrong with this one.
+    NoRoom,
+}
+
+impl From<Rejection> for Undecoded {
+    fn from(r: Rejection) -> Self {
+        Self::Rejected(r)
     }
-    Ok(out)
+}
+
+/// Bytes a decoder reads at a time, each asked of the grant before it is kept.
+const DECODE_CHUNK: usize = 64 * 1024;
+
+fn read_limited(
+    mut reader: impl Read,
+    limit: usize,
+    what: &str,
+    grant: &mut dyn FnMut(usize) -> bool,
+) -> Result<Vec<u8>, Undecoded> {
+    let mut out = Vec::new();
+    let mut chunk = vec![0u8; DECODE_CHUNK];
+    loop {
+        let n = match reader.read(&mut chunk) {
+            Ok(0) => return Ok(out),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Rejection::new(
+                    ReasonCode::MalformedBody,
+                    format!("the {what} body does not decode: {e}"),
+                )
+                .into());
+            }
+        };
+        if out.len() + n > limit {
+            return Err(too_large(limit).into());
+        }
+        if !grant(n) {
+            return Err(Undecoded::NoRoom);
+        }
+        out.extend_from_slice(&chunk[..n]);
+    }
 }
 
 /// Decodes `body` per its `Content-Encoding`, refusing anything that would decode to more
@@ -72,11 +107,31 @@ pub fn decode(
     body: bytes::Bytes,
     max_decoded: usize,
 ) -> Result<bytes::Bytes, Rejection> {
+    decode_within(encoding, body, max_decoded, &mut |_| true).map_err(|e| match e {
+        Undecoded::Rejected(r) => r,
+        Undecoded::NoRoom => unreachable_no_room(),
+    })
+}
+
+/// A grant that always says yes is never refused.
+fn unreachable_no_room() -> Rejection {
+    Rejection::new(ReasonCode::MalformedBody, "no room to decode the body")
+}
+
+/// [`decode`], asking `grant` for each chunk of decoded bytes before it is kept (a body
+/// sent as is takes no more memory, and asks nothing). A grant refused ends the decoding
+/// with [`Undecoded::NoRoom`].
+pub fn decode_within(
+    encoding: Option<&str>,
+    body: bytes::Bytes,
+    max_decoded: usize,
+    grant: &mut dyn FnMut(usize) -> bool,
+) -> Result<bytes::Bytes, Undecoded> {
     let encoding = encoding.map(|e| e.trim().to_ascii_lowercase());
     match encoding.as_deref() {
         None | Some("") | Some("identity") => {
             if body.len() > max_decoded {
-                return Err(too_large(max_decoded));
+                return Err(too_large(max_decoded).into());
             }
             Ok(body)
         }
@@ -87,6 +142,7 @@ pub fn decode(
                 flate2::read::MultiGzDecoder::new(&body[..]),
                 max_decoded,
                 "gzip",
+                grant,
             )?;
             Ok(out.into())
         }
@@ -97,12 +153,13 @@ pub fn decode(
                     format!("the zstd body does not decode: {e}"),
                 )
             })?;
-            Ok(read_limited(decoder, max_decoded, "zstd")?.into())
+            Ok(read_limited(decoder, max_decoded, "zstd", grant)?.into())
         }
         Some(other) => Err(Rejection::new(
             ReasonCode::UnsupportedEncoding,
             format!("Content-Encoding `{other}` is not identity, gzip or zstd"),
-        )),
+        )
+        .into()),
     }
 }
 
@@ -234,6 +291,30 @@ mod tests {
         assert_eq!(r.reason, ReasonCode::MalformedBody);
         let r = decode(Some("zstd"), bytes::Bytes::from_static(b"not zstd"), 10).unwrap_err();
         assert_eq!(r.reason, ReasonCode::MalformedBody);
+    }
+
+    #[test]
+    fn decoding_takes_room_for_what_it_keeps_and_stops_when_refused() {
+        let big = vec![b' '; 1 << 20];
+        let z: bytes::Bytes = zstd::encode_all(&big[..], 3).unwrap().into();
+        let mut granted = 0;
+        let out = decode_within(Some("zstd"), z.clone(), 1 << 20, &mut |n| {
+            granted += n;
+            true
+        })
+        .unwrap();
+        assert_eq!((out.len(), granted), (1 << 20, 1 << 20));
+        // Room for a tenth of it: refused on the way, for want of room, not as a fault of
+        // the body.
+        let mut left = (1usize << 20) / 10;
+        let r = decode_within(Some("zstd"), z, 1 << 20, &mut |n| {
+            left.checked_sub(n).map(|l| left = l).is_some()
+        });
+        assert_eq!(r.unwrap_err(), Undecoded::NoRoom);
+        // A body sent as is takes no room beyond its own.
+        let plain = bytes::Bytes::from_static(b"{}");
+        let out = decode_within(None, plain, 10, &mut |_| false).unwrap();
+        assert_eq!(&out[..], b"{}");
     }
 
     fn gzip(bytes: &[u8]) -> Vec<u8> {

@@ -70,6 +70,20 @@ impl GatewayConfig {
                 "must be at least limits.max_decoded_bytes (one whole request)",
             );
         }
+        let one_request = self
+            .limits
+            .max_body_bytes
+            .saturating_add(self.limits.max_decoded_bytes);
+        if self.limits.max_bytes_in_flight < one_request {
+            return bad(
+                "limits.max_bytes_in_flight",
+                "must be at least limits.max_body_bytes + limits.max_decoded_bytes (one whole \
+                 request, as received and decoded)",
+            );
+        }
+        if self.limits.max_bytes_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
+            return bad("limits.max_bytes_in_flight", "is too large");
+        }
         if self.limits.body_timeout.is_zero() {
             return bad("limits.body_timeout", "must be positive");
         }
@@ -208,6 +222,12 @@ pub struct RequestLimits {
     /// (/healthz, /readyz, /metrics) always has capacity.
     #[serde(default = "RequestLimits::default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// Bytes of request bodies held at once, as received and decoded, over all requests
+    /// until each is answered. A request that would take more, as its body arrives or
+    /// decodes, gets 503 `bytes_in_flight`: without it, `max_concurrent_requests` bodies
+    /// of `max_decoded_bytes` each could be held at once (16 GiB by default).
+    #[serde(default = "RequestLimits::default_max_bytes_in_flight")]
+    pub max_bytes_in_flight: usize,
     /// How long a request's body may take to arrive once its headers have: a client that
     /// stalls or trickles gets 408, so it can neither hold a request slot nor a shutdown.
     #[serde(
@@ -230,6 +250,9 @@ impl RequestLimits {
     pub const DEFAULT_MAX_FUTURE_SKEW: Duration = Duration::from_secs(300);
     /// Default concurrent ingest requests: 512.
     pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 512;
+    /// Default bytes of bodies in flight: 1 GiB (the default queue, 256 MiB, and the
+    /// requests on their way to it).
+    pub const DEFAULT_MAX_BYTES_IN_FLIGHT: usize = 1024 * 1024 * 1024;
     /// Default body timeout: 30 seconds (8 MiB at about 280 KB/s).
     pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -251,6 +274,9 @@ impl RequestLimits {
     fn default_max_concurrent_requests() -> usize {
         Self::DEFAULT_MAX_CONCURRENT_REQUESTS
     }
+    fn default_max_bytes_in_flight() -> usize {
+        Self::DEFAULT_MAX_BYTES_IN_FLIGHT
+    }
     fn default_body_timeout() -> Duration {
         Self::DEFAULT_BODY_TIMEOUT
     }
@@ -265,6 +291,7 @@ impl Default for RequestLimits {
             max_event_bytes: Self::DEFAULT_MAX_EVENT_BYTES,
             max_future_skew: Self::DEFAULT_MAX_FUTURE_SKEW,
             max_concurrent_requests: Self::DEFAULT_MAX_CONCURRENT_REQUESTS,
+            max_bytes_in_flight: Self::DEFAULT_MAX_BYTES_IN_FLIGHT,
             body_timeout: Self::DEFAULT_BODY_TIMEOUT,
         }
     }

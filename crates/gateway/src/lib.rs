@@ -30,7 +30,7 @@ mod quota;
 mod server;
 
 pub use auth::{Authenticator, Grant, hash_token};
-pub use body::{BodyFormat, body_format, decode, split};
+pub use body::{BodyFormat, Undecoded, body_format, decode, decode_within, split};
 pub use committer::{CommitterReport, MAX_PENDING_EVIDENCE_ROWS, SUMMARY_INGEST_MIN};
 pub use config::{
     CommitPolicy, DedupPolicy, GatewayConfig, KeyConfig, QueueLimits, RequestLimits, TenantConfig,

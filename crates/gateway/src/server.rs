@@ -25,7 +25,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::auth::{Authenticator, Grant};
-use crate::body::{body_format, decode, split};
+use crate::body::{Undecoded, body_format, decode_within, split};
 use crate::committer::{
     Committer, CommitterOptions, CommitterReport, Outcome, Phase, Pipeline, Submission, Unavailable,
 };
@@ -54,6 +54,10 @@ struct AppState {
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
     permits: Arc<Semaphore>,
+    /// Bytes of request bodies held, as received and decoded ([`RequestLimits::max_bytes_in_flight`]).
+    ///
+    /// [`RequestLimits::max_bytes_in_flight`]: crate::config::RequestLimits::max_bytes_in_flight
+    body_bytes: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Submission>,
     ready: AtomicBool,
     /// Evidence rows for refusals of requests without a valid key: they name no tenant
@@ -213,6 +217,7 @@ impl Gateway {
             quotas: Quotas::new(&config),
             validator: EventValidator::new(registry, limits),
             permits: Arc::new(Semaphore::new(config.limits.max_concurrent_requests)),
+            body_bytes: Arc::new(Semaphore::new(config.limits.max_bytes_in_flight)),
             pipeline,
             metrics,
             tx,
@@ -729,35 +734,47 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         return Err(refusal);
     }
     let limits = &st.config.limits;
-    let raw = tokio::time::timeout(limits.body_timeout, read_body(body, limits.max_body_bytes))
-        .await
-        .unwrap_or_else(|_| {
-            Err(Rejection::new(
-                ReasonCode::BodyTimeout,
-                format!(
-                    "the request body did not arrive within {} s",
-                    limits.body_timeout.as_secs_f64()
-                ),
-            ))
-        })
-        .inspect_err(|r| {
-            record_refusal(st, Some(&grant), b"", r);
-        });
-    let raw = raw.map_err(|r| {
-        let status = match r.reason {
-            ReasonCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ReasonCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            _ => StatusCode::BAD_REQUEST,
-        };
-        Refusal::rejection(status, &r)
-    })?;
-    let decoded = match decode(
+    // The body's bytes are taken from the gateway's room for bodies as they arrive and
+    // decode, and given back when the request is answered (`room` dropped).
+    let mut room = Room::new(&st.body_bytes);
+    let raw = tokio::time::timeout(
+        limits.body_timeout,
+        read_body(body, limits.max_body_bytes, &mut room),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(Rejection::new(
+            ReasonCode::BodyTimeout,
+            format!(
+                "the request body did not arrive within {} s",
+                limits.body_timeout.as_secs_f64()
+            ),
+        )
+        .into())
+    });
+    let raw = match raw {
+        Ok(raw) => raw,
+        Err(Undecoded::NoRoom) => return Err(no_room(st)),
+        Err(Undecoded::Rejected(r)) => {
+            record_refusal(st, Some(&grant), b"", &r);
+            let status = match r.reason {
+                ReasonCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+                ReasonCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return Err(Refusal::rejection(status, &r));
+        }
+    };
+    let raw_len = raw.len();
+    let decoded = match decode_within(
         header_str(headers, header::CONTENT_ENCODING),
         raw.clone(),
         limits.max_decoded_bytes,
+        &mut |n| room.take(n),
     ) {
         Ok(d) => d,
-        Err(r) => {
+        Err(Undecoded::NoRoom) => return Err(no_room(st)),
+        Err(Undecoded::Rejected(r)) => {
             record_refusal(st, Some(&grant), &raw, &r);
             let status = match r.reason {
                 ReasonCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -767,6 +784,13 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             return Err(Refusal::rejection(status, &r));
         }
     };
+    // A body sent compressed is freed once decoded: its room goes back. (One sent as is
+    // is the decoded body itself.)
+    let sent_as_is = decoded.as_ptr() == raw.as_ptr();
+    drop(raw);
+    if !sent_as_is {
+        room.give_back(raw_len);
+    }
     let events = match split(format, &decoded, limits.max_batch_events) {
         Ok(e) => e,
         Err(r) => {
@@ -1075,23 +1099,89 @@ fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refus
     Ok(())
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, Rejection> {
+/// The bytes of request bodies one request holds, taken from the gateway's room for them
+/// ([`AppState::body_bytes`]) and given back when dropped.
+struct Room {
+    budget: Arc<Semaphore>,
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Room {
+    fn new(budget: &Arc<Semaphore>) -> Self {
+        Self {
+            budget: Arc::clone(budget),
+            held: None,
+        }
+    }
+
+    /// Takes `n` more bytes, if the room has them now (a request never waits for room).
+    fn take(&mut self, n: usize) -> bool {
+        let Ok(n) = u32::try_from(n) else {
+            return false;
+        };
+        if n == 0 {
+            return true;
+        }
+        match Arc::clone(&self.budget).try_acquire_many_owned(n) {
+            Ok(p) => {
+                match &mut self.held {
+                    Some(held) => held.merge(p),
+                    None => self.held = Some(p),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Gives `n` of the bytes held back.
+    fn give_back(&mut self, n: usize) {
+        if let Some(held) = &mut self.held {
+            drop(held.split(n.min(held.num_permits())));
+        }
+    }
+}
+
+/// The refusal of a request whose body found no room: 503, retry in a second.
+fn no_room(st: &AppState) -> Refusal {
+    Refusal::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "bytes_in_flight",
+        format!(
+            "the gateway holds {} bytes of request bodies, its most \
+             (limits.max_bytes_in_flight)",
+            st.config.limits.max_bytes_in_flight
+        ),
+    )
+    .retry(Duration::from_secs(1))
+}
+
+/// Reads `body` whole, up to `limit` bytes, taking room for each part as it arrives.
+async fn read_body(body: Body, limit: usize, room: &mut Room) -> Result<bytes::Bytes, Undecoded> {
     use http_body_util::BodyExt;
-    let limited = http_body_util::Limited::new(body, limit);
-    match limited.collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(Rejection::new(
+    let mut body = body;
+    let mut out = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            Rejection::new(
+                ReasonCode::MalformedBody,
+                format!("the request body could not be read: {e}"),
+            )
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if out.len() + data.len() > limit {
+            return Err(Rejection::new(
                 ReasonCode::BodyTooLarge,
                 format!("the request body exceeds {limit} bytes"),
-            ))
+            )
+            .into());
         }
-        Err(e) => Err(Rejection::new(
-            ReasonCode::MalformedBody,
-            format!("the request body could not be read: {e}"),
-        )),
+        if !room.take(data.len()) {
+            return Err(Undecoded::NoRoom);
+        }
+        out.extend_from_slice(&data);
     }
+    Ok(out.freeze())
 }
