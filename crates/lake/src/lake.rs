@@ -845,6 +845,23 @@ impl Lake {
         identity: &CommitIdentity,
         summary: HashMap<String, String>,
     ) -> Result<AppendOutcome> {
+        self.append_guarded(table, batches, identity, summary, &|| Ok(()))
+            .await
+    }
+
+    /// [`Lake::append_with_summary`], asking `guard` whether it may go on before each
+    /// attempt and again just before each attempt's catalog commit: a guard that says no
+    /// ends the append with its error, retries or not. (A live job's guard is its lease: an
+    /// append retried through a catalog outage must not commit once another instance may
+    /// have taken the job over.)
+    pub async fn append_guarded(
+        &self,
+        table: LakeTable,
+        batches: &[RecordBatch],
+        identity: &CommitIdentity,
+        summary: HashMap<String, String>,
+        guard: &(dyn Fn() -> Result<()> + Send + Sync),
+    ) -> Result<AppendOutcome> {
         let expected = table.arrow_schema();
         for b in batches {
             if b.schema().fields() != expected.fields() {
@@ -860,8 +877,17 @@ impl Lake {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            guard()?;
             let result = self
-                .append_attempt(table, batches, identity, rows, &summary, &mut written)
+                .append_attempt(
+                    table,
+                    batches,
+                    identity,
+                    rows,
+                    &summary,
+                    &mut written,
+                    guard,
+                )
                 .await;
             match result {
                 Ok(outcome) => return Ok(outcome),
@@ -876,6 +902,7 @@ impl Lake {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn append_attempt(
         &self,
         table: LakeTable,
@@ -884,6 +911,7 @@ impl Lake {
         rows: u64,
         summary: &HashMap<String, String>,
         written: &mut Option<Vec<DataFile>>,
+        guard: &(dyn Fn() -> Result<()> + Send + Sync),
     ) -> Result<AppendOutcome> {
         let current = self.table(table).await?;
         if let Some(snapshot_id) = self.committed(table, &current, identity).await? {
@@ -926,6 +954,10 @@ impl Lake {
             inner: self.catalog.as_ref(),
             base: &current,
         };
+        if let Err(e) = guard() {
+            *written = Some(files);
+            return Err(e);
+        }
         match tx.commit(&pinned).await {
             Ok(committed) => {
                 let snapshot_id = Self::find_commit(&committed, identity)
@@ -1050,7 +1082,15 @@ impl Lake {
         loop {
             attempt += 1;
             let result = self
-                .append_attempt(table, &[], &identity, rows, &summary, &mut files)
+                .append_attempt(
+                    table,
+                    &[],
+                    &identity,
+                    rows,
+                    &summary,
+                    &mut files,
+                    &|| Ok(()),
+                )
                 .await;
             match result {
                 Ok(outcome) => return Ok(outcome),
@@ -1927,6 +1967,72 @@ mod tests {
         read.sort_unstable();
         written.sort_unstable();
         assert_eq!(read, written);
+    }
+
+    /// A guard that says no ends an append, retried or not: one that says no at once
+    /// writes nothing; one that says no only just before the catalog commit (the files
+    /// written) commits nothing, and the append returns its error rather than retrying.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guard_that_says_no_ends_an_append_before_its_commit() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = initialised(dir.path()).await;
+        let data = events(50);
+        let snapshots = || async {
+            let t = lake.table(LakeTable::Events).await.expect("table");
+            t.metadata().snapshots().count()
+        };
+        let before = snapshots().await;
+        let refused = || Err(LakeError::new(ErrorKind::Unavailable, "the lease is stale"));
+        let e = lake
+            .append_guarded(
+                LakeTable::Events,
+                std::slice::from_ref(&data),
+                &CommitIdentity::new("guarded", 1),
+                HashMap::new(),
+                &refused,
+            )
+            .await
+            .expect_err("refused at once");
+        assert!(e.message().contains("stale"), "{e}");
+        let asked = AtomicUsize::new(0);
+        let late = || {
+            // Yes to the attempt, no to its commit, and no from then on.
+            if asked.fetch_add(1, Ordering::SeqCst) == 0 {
+                Ok(())
+            } else {
+                refused()
+            }
+        };
+        let e = lake
+            .append_guarded(
+                LakeTable::Events,
+                std::slice::from_ref(&data),
+                &CommitIdentity::new("guarded", 2),
+                HashMap::new(),
+                &late,
+            )
+            .await
+            .expect_err("refused before the commit");
+        assert!(e.message().contains("stale"), "{e}");
+        assert_eq!(
+            asked.load(Ordering::SeqCst),
+            3,
+            "asked before the attempt, its commit and the retry"
+        );
+        assert_eq!(snapshots().await, before);
+        // With the guard's yes, the same append commits.
+        lake.append_guarded(
+            LakeTable::Events,
+            std::slice::from_ref(&data),
+            &CommitIdentity::new("guarded", 2),
+            HashMap::new(),
+            &|| Ok(()),
+        )
+        .await
+        .expect("append");
+        assert_eq!(snapshots().await, before + 1);
     }
 
     /// Two writers with one identity read the table before either commits. iceberg's own

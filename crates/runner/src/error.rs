@@ -29,6 +29,11 @@ impl RunnerError {
         self.kind
     }
 
+    /// What failed, without the kind.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     /// Whether retrying can succeed.
     pub fn retryable(&self) -> bool {
         self.kind.retryable()

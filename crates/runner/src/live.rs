@@ -56,6 +56,8 @@ pub enum FaultStage {
     AfterCheckpoint,
     /// With the output data files written, before their commit.
     MidCommit,
+    /// After the outputs' commit, before the late records'.
+    AfterOutputCommit,
     /// After the sink commits, before the checkpoint pointer moves.
     AfterSinkCommit,
 }
@@ -79,7 +81,7 @@ impl FromStr for FaultPoint {
                 ErrorKind::InvalidInput,
                 format!(
                     "fault point `{s}`: expected <stage>@<epoch> with stage before_checkpoint, \
-                     after_checkpoint, mid_commit or after_sink_commit"
+                     after_checkpoint, mid_commit, after_output_commit or after_sink_commit"
                 ),
             )
         };
@@ -88,6 +90,7 @@ impl FromStr for FaultPoint {
             "before_checkpoint" => FaultStage::BeforeCheckpoint,
             "after_checkpoint" => FaultStage::AfterCheckpoint,
             "mid_commit" => FaultStage::MidCommit,
+            "after_output_commit" => FaultStage::AfterOutputCommit,
             "after_sink_commit" => FaultStage::AfterSinkCommit,
             _ => return Err(bad()),
         };
@@ -154,9 +157,30 @@ pub const LIVE_LEASE_COMMIT_WITHIN: Duration = Duration::from_secs(5);
 /// whether the lease is still surely held (see [`LeaseKeeper::check`]).
 struct LeaseKeeper {
     lost: Arc<AtomicBool>,
-    /// When the last renewal the database took was sent (monotonic).
-    renewed: Arc<Mutex<Instant>>,
+    /// When the last renewal the database took was sent.
+    renewed: Arc<Mutex<Renewal>>,
     task: tokio::task::JoinHandle<()>,
+    lake: Lake,
+    job: String,
+    namespace: String,
+    owner: String,
+}
+
+/// When a renewal was sent: on the monotonic clock, and on the wall clock the lease's
+/// expiry is written in (the monotonic clock stands still while the host is suspended).
+#[derive(Debug, Clone, Copy)]
+struct Renewal {
+    at: Instant,
+    wall_ms: i64,
+}
+
+impl Renewal {
+    fn now() -> Self {
+        Self {
+            at: Instant::now(),
+            wall_ms: chrono::Utc::now().timestamp_millis(),
+        }
+    }
 }
 
 impl Drop for LeaseKeeper {
@@ -172,7 +196,7 @@ impl LeaseKeeper {
         let deadline = Instant::now() + LIVE_LEASE_TTL + Duration::from_secs(1);
         let mut sent;
         loop {
-            sent = Instant::now();
+            sent = Renewal::now();
             match lake
                 .take_lease(LIVE_LEASE, job, namespace, owner, LIVE_LEASE_TTL)
                 .await
@@ -203,16 +227,12 @@ impl LeaseKeeper {
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
-                    let sent = Instant::now();
+                    let sent = Renewal::now();
                     match lake
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
                         .await
                     {
-                        Ok(()) => {
-                            if let Ok(mut at) = renewed.lock() {
-                                *at = sent;
-                            }
-                        }
+                        Ok(()) => record(&renewed, sent),
                         Err(e) if e.kind() == ErrorKind::Conflict => {
                             tracing::error!(job, namespace, error = %e, "the live job's lease was taken");
                             lost.store(true, Ordering::SeqCst);
@@ -230,19 +250,24 @@ impl LeaseKeeper {
             lost,
             renewed,
             task,
+            lake: lake.clone(),
+            job: job.to_string(),
+            namespace: namespace.to_string(),
+            owner: owner.to_string(),
         })
     }
 
     /// Whether the job may commit now: the lease was not taken, and its last renewal the
-    /// database took was sent within [`LIVE_LEASE_COMMIT_WITHIN`]. A job whose renewals
-    /// fail (the catalog database unreachable from it) stops committing before another
-    /// instance can take the lease, instead of committing over that instance's work: it
-    /// stalls (a retryable error) and takes the lease again to recover.
+    /// database took was sent within [`LIVE_LEASE_COMMIT_WITHIN`], by the monotonic clock
+    /// and by the wall clock. A job whose renewals fail (the catalog database unreachable
+    /// from it) stops committing before another instance can take the lease, instead of
+    /// committing over that instance's work: it stalls (a retryable error) and takes the
+    /// lease again to recover.
     fn check(&self) -> Result<()> {
-        self.check_at(Instant::now())
+        self.check_at(Renewal::now())
     }
 
-    fn check_at(&self, now: Instant) -> Result<()> {
+    fn check_at(&self, now: Renewal) -> Result<()> {
         if self.lost.load(Ordering::SeqCst) {
             return Err(RunnerError::new(
                 ErrorKind::Conflict,
@@ -253,7 +278,8 @@ impl LeaseKeeper {
             .renewed
             .lock()
             .map_err(|_| RunnerError::new(ErrorKind::Internal, "the lease's renewal time"))?;
-        let since = now.saturating_duration_since(renewed);
+        let wall = Duration::from_millis(u64::try_from(now.wall_ms - renewed.wall_ms).unwrap_or(0));
+        let since = now.at.saturating_duration_since(renewed.at).max(wall);
         if since > LIVE_LEASE_COMMIT_WITHIN {
             return Err(RunnerError::new(
                 ErrorKind::Unavailable,
@@ -266,6 +292,55 @@ impl LeaseKeeper {
             ));
         }
         Ok(())
+    }
+
+    /// [`LeaseKeeper::check`], renewing the lease first when its last renewal is too old
+    /// (the renewing task may only have been kept from running by the job's own work).
+    async fn ensure(&self) -> Result<()> {
+        match self.check() {
+            Err(e) if e.kind() == ErrorKind::Unavailable => {
+                let sent = Renewal::now();
+                match self
+                    .lake
+                    .take_lease(
+                        LIVE_LEASE,
+                        &self.job,
+                        &self.namespace,
+                        &self.owner,
+                        LIVE_LEASE_TTL,
+                    )
+                    .await
+                {
+                    Ok(()) => record(&self.renewed, sent),
+                    Err(r) if r.kind() == ErrorKind::Conflict => {
+                        self.lost.store(true, Ordering::SeqCst);
+                    }
+                    Err(r) => {
+                        return Err(RunnerError::new(
+                            ErrorKind::Unavailable,
+                            format!("{}; renewing it failed: {}", e, r.message()),
+                        ));
+                    }
+                }
+                self.check()
+            }
+            other => other,
+        }
+    }
+
+    /// [`LeaseKeeper::check`] as a guard of the lake's appends (see [`Lake::append_guarded`]).
+    fn guard(&self) -> signalweave_lake::Result<()> {
+        self.check()
+            .map_err(|e| signalweave_lake::LakeError::new(e.kind(), e.message()))
+    }
+}
+
+/// Records a renewal sent at `sent` that the database took (never moving it back).
+fn record(renewed: &Mutex<Renewal>, sent: Renewal) {
+    if let Ok(mut r) = renewed.lock()
+        && sent.at > r.at
+    {
+        *r = sent;
     }
 }
 
@@ -379,9 +454,9 @@ impl std::fmt::Debug for LiveJob {
 }
 
 impl LiveJob {
-    /// Recovers the job from its last checkpoint (rolling forward to a committed prepared
-    /// one), commits that checkpoint's outputs again (skipped where committed), and returns
-    /// it ready to continue from its source position.
+    /// Recovers the job from its last checkpoint (rolling forward to a prepared one whose
+    /// sink commit exists, after finishing that commit), and returns it ready to continue
+    /// from its source position.
     pub async fn recover(
         lake: Lake,
         spec: Arc<JobSpec>,
@@ -484,18 +559,33 @@ impl LiveJob {
             job.checkpointed_position = checkpoint.position;
             job.epoch = epoch;
             // The pointer moves only once its epoch's sink commit is whole, so none of it
-            // is committed again. (An identity is forgotten some days after its snapshot
-            // expires: late rows committed again would then land twice.) After a crash
-            // between the sink's first commit and the pointer, the rest of the sink commit
-            // is done (commits that exist are recognised by their identity and skipped),
-            // then the pointer moves.
+            // is committed again. (A commit's identity is forgotten 7 days after the
+            // commit once its snapshot expired: late rows committed again would then land
+            // twice.) After a crash between the sink's first commit and the pointer, the
+            // rest of the sink commit is done (commits that exist are recognised by their
+            // identity and skipped), then the pointer moves. So it is, once, after an
+            // earlier version (one that held `late_events`), which moved the pointer first.
+            let holder = job.store.holder();
+            let earlier_version = job
+                .lake
+                .snapshot_holds()
+                .await?
+                .iter()
+                .any(|h| h.holder == holder && h.table == LakeTable::LateEvents.name());
+            let mut out_snapshot = None;
+            if rolled_from.is_some() || earlier_version {
+                out_snapshot = job.commit_sink(&checkpoint, false).await?;
+            }
             if let Some(from) = rolled_from {
-                job.commit_sink(&checkpoint, false).await?;
                 job.store.advance(from, epoch).await?;
             }
             job.expire_erasures();
-            job.hold().await?;
-            job.release_sink_holds().await?;
+            job.hold(out_snapshot).await?;
+            // A hold on `late_events` moved only with an epoch's late rows, and a hold keeps
+            // every later snapshot: one job's kept every later commit of every job there.
+            job.lake
+                .release_snapshot(LakeTable::LateEvents, &holder)
+                .await?;
             job.metrics
                 .checkpoint_bytes
                 .get_or_create(&job.labels)
@@ -783,9 +873,9 @@ impl LiveJob {
         tracing::debug!(job = %self.spec.name, epoch, bytes = written.bytes, snapshot_and_write_ms = (encoded_at - started).as_millis() + encoded_at.elapsed().as_millis(), "checkpoint written");
         self.fault(FaultStage::AfterCheckpoint, epoch);
         // The sink commit is the commit point: never after another instance took over.
-        self.lease.check()?;
+        self.lease.ensure().await?;
         let sink_started = Instant::now();
-        self.commit_sink(&checkpoint, true).await?;
+        let out_snapshot = self.commit_sink(&checkpoint, true).await?;
         self.expire_erasures();
         if !checkpoint.outputs.is_empty() || !checkpoint.late.is_empty() {
             let secs = sink_started.elapsed().as_secs_f64();
@@ -805,7 +895,7 @@ impl LiveJob {
         self.epoch = epoch;
         self.checkpointed_position = self.position;
         self.last_checkpoint = Instant::now();
-        self.hold().await?;
+        self.hold(out_snapshot).await?;
         for stages in self.freshness.visible(visible_at) {
             for (stage, secs) in STAGES.iter().zip(stages) {
                 self.metrics
@@ -858,9 +948,10 @@ impl LiveJob {
         Ok(())
     }
 
-    /// Commits a checkpoint's outputs, then its late records. With `fresh` false (replay
-    /// after a restart) every commit that exists is skipped.
-    async fn commit_sink(&mut self, checkpoint: &Checkpoint, fresh: bool) -> Result<()> {
+    /// Commits a checkpoint's outputs, then its late records; returns the outputs'
+    /// snapshot. With `fresh` false (replay after a restart) every commit that exists is
+    /// skipped.
+    async fn commit_sink(&mut self, checkpoint: &Checkpoint, fresh: bool) -> Result<Option<i64>> {
         if let Some(erased) = self.erased.as_mut() {
             erased.read_new(&self.lake).await?;
         }
@@ -873,6 +964,7 @@ impl LiveJob {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         self.committed_outputs = 0;
+        let mut out_snapshot = None;
         let batch = if checkpoint.outputs.is_empty() {
             None
         } else {
@@ -912,12 +1004,21 @@ impl LiveJob {
                 self.fault(FaultStage::MidCommit, checkpoint.epoch);
             }
             self.committed_outputs = batch.num_rows() as u64;
-            self.lease.check()?;
-            self.lake
-                .append_with_summary(self.output, &[batch], &identity, summary.clone())
+            self.lease.ensure().await?;
+            let lease = &self.lease;
+            let outcome = self
+                .lake
+                .append_guarded(self.output, &[batch], &identity, summary.clone(), &|| {
+                    lease.guard()
+                })
                 .await?;
+            out_snapshot = Some(outcome.snapshot_id);
         }
-        self.commit_late(checkpoint, summary).await
+        if fresh {
+            self.fault(FaultStage::AfterOutputCommit, checkpoint.epoch);
+        }
+        self.commit_late(checkpoint, summary).await?;
+        Ok(out_snapshot)
     }
 
     /// After a sink commit: the erasures whose windows have all settled are forgotten.
@@ -947,10 +1048,14 @@ impl LiveJob {
         }
         let batch = late::to_batch(&self.spec.name, &self.config.namespace, &late)?;
         let identity = CommitIdentity::new(self.late_writer(), checkpoint.epoch);
-        // Checked again before each commit: the one before may have taken a while.
-        self.lease.check()?;
+        // Checked again before each commit (the one before may have taken a while), and
+        // by the append before each of its attempts' commits.
+        self.lease.ensure().await?;
+        let lease = &self.lease;
         self.lake
-            .append_with_summary(LakeTable::LateEvents, &[batch], &identity, summary)
+            .append_guarded(LakeTable::LateEvents, &[batch], &identity, summary, &|| {
+                lease.guard()
+            })
             .await?;
         Ok(())
     }
@@ -986,25 +1091,20 @@ impl LiveJob {
         }
     }
 
-    /// Holds the source position against expiry: a restart reads on from it.
-    async fn hold(&self) -> Result<()> {
+    /// Holds the source position against expiry, and the epoch's output commit: a restart
+    /// reads on from the one, and after a crash before the pointer moved, recognises the
+    /// other (the hold keeps it, and every later commit of the job's own output table).
+    /// Nothing of `late_events` is held: the table is shared, and a hold moves only with
+    /// a commit.
+    async fn hold(&self, out_snapshot: Option<i64>) -> Result<()> {
+        let holder = self.store.holder();
         if let Some(p) = self.position {
             self.lake
-                .hold_snapshot(LakeTable::Events, &self.store.holder(), p)
+                .hold_snapshot(LakeTable::Events, &holder, p)
                 .await?;
         }
-        Ok(())
-    }
-
-    /// Gives up holds on the sink's tables, which earlier versions of the job took at
-    /// each checkpoint. A hold keeps its snapshot and every later one, and the job's hold
-    /// on `late_events` moved only with an epoch's late rows: it kept every later commit
-    /// of every job there. Nothing needs them: the pointer's checkpoint is never committed
-    /// again, and a commit's identity outlives its snapshot (`sw_commit_identities`).
-    async fn release_sink_holds(&self) -> Result<()> {
-        let holder = self.store.holder();
-        for table in [self.output, LakeTable::LateEvents] {
-            self.lake.release_snapshot(table, &holder).await?;
+        if let Some(s) = out_snapshot {
+            self.lake.hold_snapshot(self.output, &holder, s).await?;
         }
         Ok(())
     }
