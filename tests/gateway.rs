@@ -1084,10 +1084,11 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
     assert!(reasons.iter().any(|r| r == "body_timeout"), "{reasons:?}");
 }
 
-/// The bytes of bodies held at once are bounded: while two stalled clients hold nearly
-/// all the room, a request gets 503 `bytes_in_flight` with a Retry-After (nothing is wrong
-/// with it: nothing is recorded against it), and once the stalled bodies time out the same
-/// request is acknowledged. A budget too small for one whole request is refused.
+/// The bytes of bodies held at once are bounded: while two stalled clients hold all the
+/// room (each took its declared length at once), a request gets 503 `bytes_in_flight` with
+/// a Retry-After (nothing is wrong with it: nothing is recorded against it), and once the
+/// stalled bodies time out the same request is acknowledged, and every byte of room comes
+/// back. A budget too small for one whole request is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bytes_of_bodies_in_flight_are_bounded() {
     use tokio::io::AsyncWriteExt;
@@ -1121,19 +1122,25 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
             .unwrap();
         stalled.push(c);
     }
+    // Each stalled request took room for the length it declared, before its body came.
+    let in_flight = |url: String| async move {
+        metric(&url, |l| {
+            l.starts_with("signalweave_gateway_body_bytes_in_flight ")
+        })
+        .await
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while in_flight(gw.url.clone()).await < f64::from(2 << 20) {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled requests never took their room"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let batch: Vec<Value> = (0..120)
         .map(|i| event(&format!("room-{i}"), "tenant-0", "p-1"))
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let a = loop {
-        let a = post(&gw.url, T0, &batch).await;
-        if a.status != 200 || Instant::now() > deadline {
-            break a;
-        }
-        // The stalled bodies were not all read yet: what this request landed is a
-        // duplicate next time, so the loop ends on the refusal.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 503, "{}", a.body);
     assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
     assert!(a.headers.contains_key("retry-after"));
@@ -1145,6 +1152,11 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        in_flight(gw.url.clone()).await,
+        0.0,
+        "every request's room came back"
+    );
     drop(stalled);
     gw.stop().await;
     assert_eq!(landed(&backend.config).await.len(), 120);

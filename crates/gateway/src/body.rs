@@ -66,8 +66,12 @@ impl From<Rejection> for Undecoded {
     }
 }
 
-/// Bytes a decoder reads at a time, each asked of the grant before it is kept.
+/// Bytes a decoder reads at a time.
 const DECODE_CHUNK: usize = 64 * 1024;
+
+/// The largest zstd window a body may use, log 2: 8 MiB, what the zstd levels up to 19
+/// use (the decoder's default limit, 128 MiB, would let each request allocate that much).
+pub const ZSTD_WINDOW_LOG_MAX: u32 = 23;
 
 fn read_limited(
     mut reader: impl Read,
@@ -93,8 +97,14 @@ fn read_limited(
         if out.len() + n > limit {
             return Err(too_large(limit).into());
         }
-        if !grant(n) {
-            return Err(Undecoded::NoRoom);
+        // Room is paid for what is allocated, not only what is kept: a growth asks for
+        // the whole new capacity first.
+        if out.len() + n > out.capacity() {
+            let grown = (out.capacity() * 2).max(out.len() + n).min(limit);
+            if !grant(grown - out.capacity()) {
+                return Err(Undecoded::NoRoom);
+            }
+            out.reserve_exact(grown - out.len());
         }
         out.extend_from_slice(&chunk[..n]);
     }
@@ -118,9 +128,10 @@ fn unreachable_no_room() -> Rejection {
     Rejection::new(ReasonCode::MalformedBody, "no room to decode the body")
 }
 
-/// [`decode`], asking `grant` for each chunk of decoded bytes before it is kept (a body
-/// sent as is takes no more memory, and asks nothing). A grant refused ends the decoding
-/// with [`Undecoded::NoRoom`].
+/// [`decode`], asking `grant` for the decoded body's memory before it is allocated (a
+/// body sent as is takes no more memory, and asks nothing). A grant refused ends the
+/// decoding with [`Undecoded::NoRoom`]. A zstd frame may not ask for a window over
+/// [`ZSTD_WINDOW_LOG_MAX`] (the decoder's own memory, beyond the grant).
 pub fn decode_within(
     encoding: Option<&str>,
     body: bytes::Bytes,
@@ -147,10 +158,16 @@ pub fn decode_within(
             Ok(out.into())
         }
         Some("zstd") => {
-            let decoder = zstd::stream::read::Decoder::new(&body[..]).map_err(|e| {
+            let mut decoder = zstd::stream::read::Decoder::new(&body[..]).map_err(|e| {
                 Rejection::new(
                     ReasonCode::MalformedBody,
                     format!("the zstd body does not decode: {e}"),
+                )
+            })?;
+            decoder.window_log_max(ZSTD_WINDOW_LOG_MAX).map_err(|e| {
+                Rejection::new(
+                    ReasonCode::MalformedBody,
+                    format!("the zstd decoder's window: {e}"),
                 )
             })?;
             Ok(read_limited(decoder, max_decoded, "zstd", grant)?.into())

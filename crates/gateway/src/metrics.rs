@@ -38,6 +38,9 @@ pub struct Metrics {
     pub ack_seconds: Histogram,
     /// Decoded bytes waiting for a commit.
     pub queue_bytes: Gauge,
+    /// Bytes of request bodies held, as received and decoded (room taken of
+    /// `limits.max_bytes_in_flight`).
+    pub body_bytes_in_flight: Gauge,
     /// Age of the oldest event waiting for a commit, seconds.
     pub queue_oldest_age_seconds: Gauge<f64, AtomicU64>,
     /// Identities held by the duplicate index.
@@ -74,6 +77,7 @@ impl Metrics {
         let commit_events = Histogram::new(exponential_buckets(1.0, 4.0, 12));
         let ack_seconds = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         let queue_bytes = Gauge::default();
+        let body_bytes_in_flight = Gauge::default();
         let queue_oldest_age_seconds = Gauge::<f64, AtomicU64>::default();
         let dedup_entries = Gauge::default();
         let evidence_dropped = Counter::default();
@@ -119,6 +123,11 @@ impl Metrics {
             queue_bytes.clone(),
         );
         registry.register(
+            "body_bytes_in_flight",
+            "Bytes of request bodies held, as received and decoded (of limits.max_bytes_in_flight)",
+            body_bytes_in_flight.clone(),
+        );
+        registry.register(
             "queue_oldest_age_seconds",
             "Age of the oldest event waiting for a commit",
             queue_oldest_age_seconds.clone(),
@@ -156,6 +165,7 @@ impl Metrics {
             commit_events,
             ack_seconds,
             queue_bytes,
+            body_bytes_in_flight,
             queue_oldest_age_seconds,
             dedup_entries,
             evidence_dropped,

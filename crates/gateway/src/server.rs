@@ -736,10 +736,11 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     let limits = &st.config.limits;
     // The body's bytes are taken from the gateway's room for bodies as they arrive and
     // decode, and given back when the request is answered (`room` dropped).
-    let mut room = Room::new(&st.body_bytes);
+    let mut room = Room::new(&st.body_bytes, &st.metrics.body_bytes_in_flight);
+    let declared = header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
     let raw = tokio::time::timeout(
         limits.body_timeout,
-        read_body(body, limits.max_body_bytes, &mut room),
+        read_body(body, declared, limits.max_body_bytes, &mut room),
     )
     .await
     .unwrap_or_else(|_| {
@@ -765,7 +766,8 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             return Err(Refusal::rejection(status, &r));
         }
     };
-    let raw_len = raw.len();
+    // What the body as received holds (its buffer's capacity).
+    let raw_room = room.held();
     let decoded = match decode_within(
         header_str(headers, header::CONTENT_ENCODING),
         raw.clone(),
@@ -789,7 +791,7 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     let sent_as_is = decoded.as_ptr() == raw.as_ptr();
     drop(raw);
     if !sent_as_is {
-        room.give_back(raw_len);
+        room.give_back(raw_room);
     }
     let events = match split(format, &decoded, limits.max_batch_events) {
         Ok(e) => e,
@@ -1104,13 +1106,23 @@ fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refus
 struct Room {
     budget: Arc<Semaphore>,
     held: Option<tokio::sync::OwnedSemaphorePermit>,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        if let Some(held) = &self.held {
+            self.gauge.dec_by(held.num_permits() as i64);
+        }
+    }
 }
 
 impl Room {
-    fn new(budget: &Arc<Semaphore>) -> Self {
+    fn new(budget: &Arc<Semaphore>, gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
         Self {
             budget: Arc::clone(budget),
             held: None,
+            gauge: gauge.clone(),
         }
     }
 
@@ -1124,6 +1136,7 @@ impl Room {
         }
         match Arc::clone(&self.budget).try_acquire_many_owned(n) {
             Ok(p) => {
+                self.gauge.inc_by(i64::from(n));
                 match &mut self.held {
                     Some(held) => held.merge(p),
                     None => self.held = Some(p),
@@ -1134,10 +1147,17 @@ impl Room {
         }
     }
 
+    /// Bytes held.
+    fn held(&self) -> usize {
+        self.held.as_ref().map_or(0, |h| h.num_permits())
+    }
+
     /// Gives `n` of the bytes held back.
     fn give_back(&mut self, n: usize) {
-        if let Some(held) = &mut self.held {
-            drop(held.split(n.min(held.num_permits())));
+        if let Some(held) = &mut self.held
+            && let Some(given) = held.split(n.min(held.num_permits()))
+        {
+            self.gauge.dec_by(given.num_permits() as i64);
         }
     }
 }
@@ -1156,11 +1176,33 @@ fn no_room(st: &AppState) -> Refusal {
     .retry(Duration::from_secs(1))
 }
 
-/// Reads `body` whole, up to `limit` bytes, taking room for each part as it arrives.
-async fn read_body(body: Body, limit: usize, room: &mut Room) -> Result<bytes::Bytes, Undecoded> {
+/// Reads `body` whole, up to `limit` bytes. Room is taken for a `declared` length
+/// (`Content-Length`) at once, before anything is read, so a refusal comes before the
+/// client sends its body; otherwise for each growth of the buffer as parts arrive.
+async fn read_body(
+    body: Body,
+    declared: Option<usize>,
+    limit: usize,
+    room: &mut Room,
+) -> Result<bytes::Bytes, Undecoded> {
     use http_body_util::BodyExt;
+    let too_large = || {
+        Rejection::new(
+            ReasonCode::BodyTooLarge,
+            format!("the request body exceeds {limit} bytes"),
+        )
+    };
+    let mut out: Vec<u8> = Vec::new();
+    if let Some(n) = declared {
+        if n > limit {
+            return Err(too_large().into());
+        }
+        if !room.take(n) {
+            return Err(Undecoded::NoRoom);
+        }
+        out.reserve_exact(n);
+    }
     let mut body = body;
-    let mut out = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| {
             Rejection::new(
@@ -1172,16 +1214,18 @@ async fn read_body(body: Body, limit: usize, room: &mut Room) -> Result<bytes::B
             continue;
         };
         if out.len() + data.len() > limit {
-            return Err(Rejection::new(
-                ReasonCode::BodyTooLarge,
-                format!("the request body exceeds {limit} bytes"),
-            )
-            .into());
+            return Err(too_large().into());
         }
-        if !room.take(data.len()) {
-            return Err(Undecoded::NoRoom);
+        if out.len() + data.len() > out.capacity() {
+            // A body longer than it declared is hyper's to refuse; one without a length
+            // pays for each growth, doubled as a vector grows.
+            let grown = (out.capacity() * 2).max(out.len() + data.len()).min(limit);
+            if !room.take(grown - out.capacity()) {
+                return Err(Undecoded::NoRoom);
+            }
+            out.reserve_exact(grown - out.len());
         }
         out.extend_from_slice(&data);
     }
-    Ok(out.freeze())
+    Ok(out.into())
 }

@@ -892,6 +892,8 @@ impl Lake {
             match result {
                 Ok(outcome) => return Ok(outcome),
                 Err(e) if e.retryable() && attempt < DEFAULT_APPEND_ATTEMPTS => {
+                    // A guard that says no now ends the append at once, not after a pause.
+                    guard()?;
                     if e.kind() != ErrorKind::Conflict {
                         tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
                     }

@@ -267,6 +267,21 @@ impl LeaseKeeper {
         self.check_at(Renewal::now())
     }
 
+    /// How long ago the last renewal the database took was sent, by the later of the two
+    /// clocks.
+    fn since_renewal(&self) -> Duration {
+        self.since_renewal_at(Renewal::now())
+    }
+
+    fn since_renewal_at(&self, now: Renewal) -> Duration {
+        // A poisoned lock: the renewal time is unknown, so as old as can be.
+        let Ok(renewed) = self.renewed.lock().map(|r| *r) else {
+            return Duration::MAX;
+        };
+        let wall = Duration::from_millis(u64::try_from(now.wall_ms - renewed.wall_ms).unwrap_or(0));
+        now.at.saturating_duration_since(renewed.at).max(wall)
+    }
+
     fn check_at(&self, now: Renewal) -> Result<()> {
         if self.lost.load(Ordering::SeqCst) {
             return Err(RunnerError::new(
@@ -274,12 +289,7 @@ impl LeaseKeeper {
                 "another instance of the job took its lease: this one stops",
             ));
         }
-        let renewed = *self
-            .renewed
-            .lock()
-            .map_err(|_| RunnerError::new(ErrorKind::Internal, "the lease's renewal time"))?;
-        let wall = Duration::from_millis(u64::try_from(now.wall_ms - renewed.wall_ms).unwrap_or(0));
-        let since = now.at.saturating_duration_since(renewed.at).max(wall);
+        let since = self.since_renewal_at(now);
         if since > LIVE_LEASE_COMMIT_WITHIN {
             return Err(RunnerError::new(
                 ErrorKind::Unavailable,
@@ -295,10 +305,16 @@ impl LeaseKeeper {
     }
 
     /// [`LeaseKeeper::check`], renewing the lease first when its last renewal is too old
-    /// (the renewing task may only have been kept from running by the job's own work).
+    /// (the renewing task may only have been kept from running by the job's own work), but
+    /// only while the lease cannot have run out: after that, another instance may have
+    /// taken the job, moved its pointer and gone, and the lease be free again, so this job's
+    /// state is not to be trusted: it stalls, and recovers from the pointer.
     async fn ensure(&self) -> Result<()> {
         match self.check() {
-            Err(e) if e.kind() == ErrorKind::Unavailable => {
+            Err(e)
+                if e.kind() == ErrorKind::Unavailable
+                    && self.since_renewal() < LIVE_LEASE_TTL - LIVE_LEASE_COMMIT_WITHIN / 2 =>
+            {
                 let sent = Renewal::now();
                 match self
                     .lake
@@ -1301,5 +1317,54 @@ impl LiveJob {
         {
             tracing::warn!(job = %self.spec.name, error = %e, "could not release the lease");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use signalweave_lake::LakeConfig;
+
+    /// The keeper of a fresh lease, its last renewal set back by `ago`.
+    async fn keeper_renewed(lake: &Lake, ago: Duration) -> LeaseKeeper {
+        let keeper = LeaseKeeper::take(lake, "job", "live", &process_instance())
+            .await
+            .expect("the lease");
+        keeper.task.abort();
+        let now = Renewal::now();
+        *keeper.renewed.lock().expect("renewal") = Renewal {
+            at: now.at.checked_sub(ago).expect("an instant that long ago"),
+            wall_ms: now.wall_ms - i64::try_from(ago.as_millis()).expect("ms"),
+        };
+        keeper
+    }
+
+    /// A renewal too old to commit on is renewed in line while the lease cannot have run
+    /// out; past that, the job may not go on from its state (another instance may have run
+    /// it meanwhile) and stalls, whatever a renewal now would say.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_lease_is_renewed_in_line_only_while_it_cannot_have_run_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        let fresh = keeper_renewed(&lake, Duration::from_secs(1)).await;
+        fresh.ensure().await.expect("a recent renewal commits");
+        let stale = keeper_renewed(&lake, LIVE_LEASE_COMMIT_WITHIN + Duration::from_secs(1)).await;
+        assert!(stale.check().is_err());
+        stale.ensure().await.expect("renewed in line");
+        assert!(stale.since_renewal() < Duration::from_secs(1));
+        let expired = keeper_renewed(&lake, LIVE_LEASE_TTL + Duration::from_secs(1)).await;
+        let e = expired.ensure().await.expect_err("may have run out");
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        assert!(expired.since_renewal() > LIVE_LEASE_TTL, "not renewed");
+        // By the wall clock alone (a suspended host's monotonic clock stood still).
+        let suspended = keeper_renewed(&lake, Duration::ZERO).await;
+        if let Ok(mut r) = suspended.renewed.lock() {
+            r.wall_ms -= 60_000;
+        }
+        assert!(suspended.check().is_err());
+        assert!(suspended.ensure().await.is_err());
     }
 }
