@@ -70,6 +70,15 @@ impl GatewayConfig {
                 "must be at least limits.max_decoded_bytes (one whole request)",
             );
         }
+        // Room is taken for a body at once, in one grant of at most u32::MAX bytes.
+        for (field, n) in [
+            ("limits.max_body_bytes", self.limits.max_body_bytes),
+            ("limits.max_decoded_bytes", self.limits.max_decoded_bytes),
+        ] {
+            if u32::try_from(n).is_err() {
+                return bad(field, "must be at most 4 GiB");
+            }
+        }
         let one_request = self
             .limits
             .max_body_bytes

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
-use signalweave_lake::{CommitIdentity, Lake, LakeTable};
+use signalweave_lake::{COMMIT_IDENTITY_TTL_MS, CommitIdentity, Lake, LakeTable};
 use signalweave_model::ErrorKind;
 use signalweave_window::{Emissions, EngineConfig, JobSpec, WindowEngine};
 
@@ -157,6 +157,10 @@ pub const LIVE_LEASE_COMMIT_WITHIN: Duration = Duration::from_secs(5);
 /// whether the lease is still surely held (see [`LeaseKeeper::check`]).
 struct LeaseKeeper {
     lost: Arc<AtomicBool>,
+    /// Set once two renewals the database took were so far apart that the lease may have
+    /// run out between them: another instance may have run the job meanwhile, so this
+    /// one's state is not to be trusted, whatever later renewals say.
+    broken: Arc<AtomicBool>,
     /// When the last renewal the database took was sent.
     renewed: Arc<Mutex<Renewal>>,
     task: tokio::task::JoinHandle<()>,
@@ -215,6 +219,7 @@ impl LeaseKeeper {
             }
         }
         let lost = Arc::new(AtomicBool::new(false));
+        let broken = Arc::new(AtomicBool::new(false));
         let renewed = Arc::new(Mutex::new(sent));
         let task = {
             let (lake, job, namespace, owner) = (
@@ -223,7 +228,8 @@ impl LeaseKeeper {
                 namespace.to_string(),
                 owner.to_string(),
             );
-            let (lost, renewed) = (Arc::clone(&lost), Arc::clone(&renewed));
+            let (lost, broken, renewed) =
+                (Arc::clone(&lost), Arc::clone(&broken), Arc::clone(&renewed));
             tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -232,7 +238,7 @@ impl LeaseKeeper {
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
                         .await
                     {
-                        Ok(()) => record(&renewed, sent),
+                        Ok(()) => record(&renewed, &broken, sent),
                         Err(e) if e.kind() == ErrorKind::Conflict => {
                             tracing::error!(job, namespace, error = %e, "the live job's lease was taken");
                             lost.store(true, Ordering::SeqCst);
@@ -248,6 +254,7 @@ impl LeaseKeeper {
         };
         Ok(Self {
             lost,
+            broken,
             renewed,
             task,
             lake: lake.clone(),
@@ -289,6 +296,13 @@ impl LeaseKeeper {
                 "another instance of the job took its lease: this one stops",
             ));
         }
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(RunnerError::new(
+                ErrorKind::Unavailable,
+                "the job's lease went unrenewed long enough to run out, and another instance \
+                 may have run the job meanwhile: it recovers from its checkpoint",
+            ));
+        }
         let since = self.since_renewal_at(now);
         if since > LIVE_LEASE_COMMIT_WITHIN {
             return Err(RunnerError::new(
@@ -313,7 +327,8 @@ impl LeaseKeeper {
         match self.check() {
             Err(e)
                 if e.kind() == ErrorKind::Unavailable
-                    && self.since_renewal() < LIVE_LEASE_TTL - LIVE_LEASE_COMMIT_WITHIN / 2 =>
+                    && !self.broken.load(Ordering::SeqCst)
+                    && self.since_renewal() < LIVE_LEASE_CONTINUITY =>
             {
                 let sent = Renewal::now();
                 match self
@@ -327,7 +342,7 @@ impl LeaseKeeper {
                     )
                     .await
                 {
-                    Ok(()) => record(&self.renewed, sent),
+                    Ok(()) => record(&self.renewed, &self.broken, sent),
                     Err(r) if r.kind() == ErrorKind::Conflict => {
                         self.lost.store(true, Ordering::SeqCst);
                     }
@@ -351,13 +366,28 @@ impl LeaseKeeper {
     }
 }
 
-/// Records a renewal sent at `sent` that the database took (never moving it back).
-fn record(renewed: &Mutex<Renewal>, sent: Renewal) {
-    if let Ok(mut r) = renewed.lock()
-        && sent.at > r.at
-    {
-        *r = sent;
+/// How long after a renewal the lease is surely still held: a later renewal taken only
+/// after this may follow another instance's tenure.
+const LIVE_LEASE_CONTINUITY: Duration = Duration::from_millis(
+    LIVE_LEASE_TTL.as_millis() as u64 - LIVE_LEASE_COMMIT_WITHIN.as_millis() as u64 / 2,
+);
+
+/// Records a renewal sent at `sent` that the database took (never moving it back); marks
+/// the keeper `broken` when it came too long after the one before (see
+/// [`LIVE_LEASE_CONTINUITY`]).
+fn record(renewed: &Mutex<Renewal>, broken: &AtomicBool, sent: Renewal) {
+    let Ok(mut r) = renewed.lock() else {
+        broken.store(true, Ordering::SeqCst);
+        return;
+    };
+    if sent.at <= r.at {
+        return;
     }
+    let wall = Duration::from_millis(u64::try_from(sent.wall_ms - r.wall_ms).unwrap_or(0));
+    if sent.at.duration_since(r.at).max(wall) > LIVE_LEASE_CONTINUITY {
+        broken.store(true, Ordering::SeqCst);
+    }
+    *r = sent;
 }
 
 impl Default for LiveConfig {
@@ -574,22 +604,19 @@ impl LiveJob {
             job.position = checkpoint.position;
             job.checkpointed_position = checkpoint.position;
             job.epoch = epoch;
-            // The pointer moves only once its epoch's sink commit is whole, so none of it
-            // is committed again. (A commit's identity is forgotten 7 days after the
-            // commit once its snapshot expired: late rows committed again would then land
-            // twice.) After a crash between the sink's first commit and the pointer, the
-            // rest of the sink commit is done (commits that exist are recognised by their
-            // identity and skipped), then the pointer moves. So it is, once, after an
-            // earlier version (one that held `late_events`), which moved the pointer first.
+            // The pointer moves only once its epoch's sink commit is whole (an earlier
+            // version moved it first, then finished the commit: a crash between the two
+            // left it half done). A commit's identity is recognised for
+            // COMMIT_IDENTITY_TTL_MS after the commit, so within that (less a day) the sink
+            // commit is finished again, harmlessly; past it, nothing of it is committed
+            // again (late rows would land twice). After a crash between the sink's first
+            // commit and the pointer, the rest of the sink commit is done, then the pointer
+            // moves.
             let holder = job.store.holder();
-            let earlier_version = job
-                .lake
-                .snapshot_holds()
-                .await?
-                .iter()
-                .any(|h| h.holder == holder && h.table == LakeTable::LateEvents.name());
+            let age_ms = chrono::Utc::now().timestamp_millis() - r.created_ms;
+            let recognised = age_ms < COMMIT_IDENTITY_TTL_MS - 24 * 3600 * 1000;
             let mut out_snapshot = None;
-            if rolled_from.is_some() || earlier_version {
+            if rolled_from.is_some() || recognised {
                 out_snapshot = job.commit_sink(&checkpoint, false).await?;
             }
             if let Some(from) = rolled_from {
@@ -867,6 +894,21 @@ impl LiveJob {
         let started = Instant::now();
         let epoch = self.epoch + 1;
         self.fault(FaultStage::BeforeCheckpoint, epoch);
+        // Nothing is written, not even the blob (a write replaces an epoch's blob), unless
+        // the lease is surely held and the pointer is where this job left it.
+        self.lease.ensure().await?;
+        if let Some(pointer) = self.store.pointer().await?
+            && pointer >= epoch
+        {
+            return Err(RunnerError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "another instance of the job moved its checkpoint pointer to epoch {pointer}, \
+                     past this one's {}: this one stops",
+                    self.epoch
+                ),
+            ));
+        }
         let checkpoint = Checkpoint {
             job: self.spec.name.clone(),
             namespace: self.config.namespace.clone(),
@@ -1366,5 +1408,28 @@ mod tests {
         }
         assert!(suspended.check().is_err());
         assert!(suspended.ensure().await.is_err());
+    }
+
+    /// Two renewals so far apart that the lease may have run out between them: the later
+    /// one does not make the keeper good again (another instance may have run the job).
+    #[test]
+    fn a_renewal_after_a_gap_the_lease_may_have_run_out_in_breaks_continuity() {
+        let renewed = Mutex::new(Renewal::now());
+        let broken = AtomicBool::new(false);
+        let later = |after: Duration| {
+            let r = *renewed.lock().expect("renewal");
+            Renewal {
+                at: r.at + after,
+                wall_ms: r.wall_ms + i64::try_from(after.as_millis()).expect("ms"),
+            }
+        };
+        record(&renewed, &broken, later(Duration::from_secs(1)));
+        assert!(!broken.load(Ordering::SeqCst));
+        record(
+            &renewed,
+            &broken,
+            later(LIVE_LEASE_CONTINUITY + Duration::from_millis(1)),
+        );
+        assert!(broken.load(Ordering::SeqCst));
     }
 }
