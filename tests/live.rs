@@ -673,6 +673,50 @@ fn generated_events(events: u64) -> arrow::array::RecordBatch {
     builder.finish().unwrap()
 }
 
+/// An embedded lake in `dir` holding [`land_in_commits`]' events, the strict job, and a
+/// live configuration that reads one commit a step and checkpoints only when told.
+async fn strict_setup(
+    dir: &Path,
+) -> (
+    signalweave_lake::Lake,
+    std::sync::Arc<signalweave_window::JobSpec>,
+    signalweave_runner::LiveConfig,
+) {
+    let lake = signalweave_lake::Lake::open(signalweave_lake::LakeConfig::embedded(dir))
+        .await
+        .unwrap();
+    lake.init().await.unwrap();
+    land_in_commits(&lake).await;
+    let spec = signalweave_window::JobSpec::from_file(strict_job(dir)).unwrap();
+    let config = signalweave_runner::LiveConfig {
+        checkpoint_interval: Duration::from_secs(3600),
+        max_snapshots_per_step: 1,
+        ..signalweave_runner::LiveConfig::default()
+    };
+    (lake, std::sync::Arc::new(spec), config)
+}
+
+/// A job recovered on `lake`, which reads every commit and checkpoints once.
+async fn first_epoch(
+    lake: &signalweave_lake::Lake,
+    spec: std::sync::Arc<signalweave_window::JobSpec>,
+    config: signalweave_runner::LiveConfig,
+) -> signalweave_runner::LiveJob {
+    let metrics = std::sync::Arc::new(signalweave_runner::RunnerMetrics::new());
+    let mut job = signalweave_runner::LiveJob::recover(lake.clone(), spec, config, metrics)
+        .await
+        .unwrap();
+    read_all(&mut job).await;
+    job.step(true).await.unwrap();
+    assert_eq!(job.epoch(), 1);
+    job
+}
+
+/// Steps `job` until it has read every commit, without a checkpoint.
+async fn read_all(job: &mut signalweave_runner::LiveJob) {
+    while job.step(false).await.unwrap().snapshots > 0 {}
+}
+
 /// 200 s of the generator's events, landed in commits of 1,000.
 async fn land_in_commits(lake: &signalweave_lake::Lake) {
     let events = generated_events(20_000);
@@ -730,7 +774,7 @@ async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
     };
     // One epoch: its checkpoint holds every late row.
     let mut job = recover("live").await.unwrap();
-    while job.step(false).await.unwrap().snapshots > 0 {}
+    read_all(&mut job).await;
     job.step(true).await.unwrap();
     assert_eq!(job.epoch(), 1);
     let late_sql = "select count(*) from signalweave.late_events where namespace = 'live'";
@@ -771,7 +815,7 @@ async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
     // The snapshot of that commit expires (a later commit kept alone), and its recorded
     // identity is forgotten, 7 days after the commit.
     let mut other = recover("other").await.unwrap();
-    while other.step(false).await.unwrap().snapshots > 0 {}
+    read_all(&mut other).await;
     other.step(true).await.unwrap();
     let keep_one = MaintenancePolicy {
         retention: Some(Retention {
@@ -805,20 +849,11 @@ async fn a_restart_commits_nothing_of_the_current_checkpoint_again() {
 async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
     use std::sync::Arc;
 
-    use signalweave_lake::{Lake, LakeConfig};
     use signalweave_model::ErrorKind;
-    use signalweave_runner::{LIVE_LEASE_COMMIT_WITHIN, LiveConfig, LiveJob, RunnerMetrics};
+    use signalweave_runner::{LIVE_LEASE_COMMIT_WITHIN, LiveJob, RunnerMetrics};
 
     let dir = tempfile::tempdir().unwrap();
-    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
-    lake.init().await.unwrap();
-    land_in_commits(&lake).await;
-    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
-    let config = LiveConfig {
-        checkpoint_interval: Duration::from_secs(3600),
-        max_snapshots_per_step: 1,
-        ..LiveConfig::default()
-    };
+    let (lake, spec, config) = strict_setup(dir.path()).await;
     let mut job = LiveJob::recover(
         lake.clone(),
         Arc::clone(&spec),
@@ -836,7 +871,7 @@ async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
     .await
     .unwrap();
     let outputs = "select count(*) from signalweave.strict_markets";
-    while job.step(false).await.unwrap().snapshots > 0 {}
+    read_all(&mut job).await;
     tokio::time::sleep(LIVE_LEASE_COMMIT_WITHIN + Duration::from_secs(1)).await;
     let e = job.step(true).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
@@ -849,12 +884,7 @@ async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     drop(job);
-    let mut job = LiveJob::recover(lake.clone(), spec, config, Arc::new(RunnerMetrics::new()))
-        .await
-        .unwrap();
-    while job.step(false).await.unwrap().snapshots > 0 {}
-    job.step(true).await.unwrap();
-    assert_eq!(job.epoch(), 1);
+    first_epoch(&lake, spec, config).await;
     assert!(count_rows(&lake, outputs).await > 0);
 }
 
@@ -880,29 +910,17 @@ fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
 /// retrying every few seconds for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_that_cannot_recover_fails_instead_of_retrying_for_ever() {
-    use std::sync::Arc;
-
-    use signalweave_lake::{CommitIdentity, Lake, LakeConfig, LakeTable};
+    use signalweave_lake::{CommitIdentity, LakeTable};
     use signalweave_model::ErrorKind;
-    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
+    use signalweave_runner::LiveConfig;
 
     let dir = tempfile::tempdir().unwrap();
-    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
-    lake.init().await.unwrap();
-    land_in_commits(&lake).await;
-    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
+    let (lake, spec, config) = strict_setup(dir.path()).await;
     let config = LiveConfig {
-        checkpoint_interval: Duration::from_secs(3600),
-        max_snapshots_per_step: 1,
         permanent_failure_grace: Duration::from_secs(1),
-        ..LiveConfig::default()
+        ..config
     };
-    let mut job = LiveJob::recover(lake.clone(), spec, config, Arc::new(RunnerMetrics::new()))
-        .await
-        .unwrap();
-    while job.step(false).await.unwrap().snapshots > 0 {}
-    job.step(true).await.unwrap();
-    assert_eq!(job.epoch(), 1);
+    let job = first_epoch(&lake, spec, config).await;
     let checkpoints = files_ending(dir.path(), ".ckpt");
     assert!(!checkpoints.is_empty());
     for c in checkpoints {
@@ -942,20 +960,11 @@ async fn a_job_that_cannot_recover_fails_instead_of_retrying_for_ever() {
 async fn a_job_whose_pointer_moved_on_writes_nothing_more() {
     use std::sync::Arc;
 
-    use signalweave_lake::{Lake, LakeConfig};
     use signalweave_model::ErrorKind;
-    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
+    use signalweave_runner::{LiveJob, RunnerMetrics};
 
     let dir = tempfile::tempdir().unwrap();
-    let lake = Lake::open(LakeConfig::embedded(dir.path())).await.unwrap();
-    lake.init().await.unwrap();
-    land_in_commits(&lake).await;
-    let spec = Arc::new(signalweave_window::JobSpec::from_file(strict_job(dir.path())).unwrap());
-    let config = LiveConfig {
-        checkpoint_interval: Duration::from_secs(3600),
-        max_snapshots_per_step: 1,
-        ..LiveConfig::default()
-    };
+    let (lake, spec, config) = strict_setup(dir.path()).await;
     let mut job = LiveJob::recover(lake.clone(), spec, config, Arc::new(RunnerMetrics::new()))
         .await
         .unwrap();
@@ -970,7 +979,7 @@ async fn a_job_whose_pointer_moved_on_writes_nothing_more() {
         .unwrap();
     let rows = "select count(*) from signalweave.strict_markets";
     let before = count_rows(&lake, rows).await;
-    while job.step(false).await.unwrap().snapshots > 0 {}
+    read_all(&mut job).await;
     let e = job.step(true).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
     assert!(e.to_string().contains("another instance"), "{e}");
