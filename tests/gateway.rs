@@ -854,6 +854,41 @@ async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
     assert_eq!(landed(&backend.config).await.len(), 240);
 }
 
+/// A request the full queue refuses spends none of its tenant's tokens: the queue is
+/// asked first. (Before, each refused retry paid the tenant's quota, so a tenant whose
+/// requests met a full queue soon met its own quota too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_full_queue_refuses_spends_no_quota() {
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.commit.interval = Duration::from_millis(1500);
+    config.limits.max_decoded_bytes = 64 * 1024;
+    config.queue.max_bytes = 64 * 1024;
+    config.queue.tenant_share_percent = 100;
+    // Room for two requests of 120 records a second, no more.
+    config.tenants[0].records_per_sec = 300;
+    let gw = start(config, &backend.config).await;
+    let batch = |p: &str| -> Vec<Value> {
+        (0..120)
+            .map(|i| event(&format!("{p}-{i}"), "tenant-0", "p-1"))
+            .collect()
+    };
+    let url = gw.url.clone();
+    let b1 = batch("f1");
+    let first = tokio::spawn(async move { post(&url, T0, &b1).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The queue holds the first request until its commit: the next ones find it full,
+    // and each again, since none paid the tenant's quota.
+    for p in ["f2", "f3", "f4"] {
+        let a = post(&gw.url, T0, &batch(p)).await;
+        assert_eq!(a.status, 503, "{p}: {}", a.body);
+        assert_eq!(a.body["error"]["reason"], "queue_full", "{p}");
+    }
+    assert_eq!(first.await.unwrap().status, 200);
+    gw.stop().await;
+    assert_eq!(landed(&backend.config).await.len(), 120);
+}
+
 /// A refusal is filed under the tenant whose key made the request, not under the tenant
 /// its body claims: a key cannot put rows under another tenant's name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -805,6 +805,10 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             return Err(Refusal::rejection(status, &r));
         }
     };
+    // Room in the queue first, for the whole decoded body (what is accepted of it is
+    // less): a request the queue refuses spends none of the tenant's tokens. Given back
+    // when the request ends, but for what is handed to the committer.
+    let mut queued = reserve_queue(st, &grant, decoded.len())?;
     // The tenant's buckets pay for what the request carries, before any parsing work.
     let records = u32::try_from(events.len()).unwrap_or(u32::MAX);
     let bytes = u32::try_from(decoded.len()).unwrap_or(u32::MAX);
@@ -864,9 +868,11 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         ));
     }
     let accepted_bytes: usize = positions.iter().map(|&i| events[i].len()).sum();
-    if !accepted.is_empty() {
-        reserve_queue(st, &grant, accepted_bytes)?;
-    }
+    queued.shrink_to(if accepted.is_empty() {
+        0
+    } else {
+        accepted_bytes
+    });
 
     for (_, r) in &rejected {
         st.metrics
@@ -900,7 +906,7 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         tenant_index: grant.tenant_index,
         ingest_time_us: ingest_time,
         events: accepted,
-        bytes: if candidates > 0 { accepted_bytes } else { 0 },
+        bytes: queued.hand_over(),
         evidence,
         reply,
     });
@@ -1066,7 +1072,50 @@ fn record_conflicts(
 
 /// Reserves `bytes` of the queue for `grant`'s tenant, or refuses: 429 when the tenant's
 /// share is spent (others are still served), 503 when the whole queue is.
-fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refusal> {
+/// Decoded bytes of a request reserved in the queue ([`reserve_queue`]): given back when
+/// dropped, except what was handed to the committer with the request's events (it gives
+/// those back once they are committed).
+struct QueueHold<'a> {
+    pipeline: &'a Pipeline,
+    tenant: usize,
+    bytes: usize,
+}
+
+impl QueueHold<'_> {
+    /// Gives back all but `n` of the bytes held.
+    fn shrink_to(&mut self, n: usize) {
+        let excess = self.bytes.saturating_sub(n);
+        self.give_back(excess);
+    }
+
+    /// The bytes held, now the committer's to give back.
+    fn hand_over(mut self) -> usize {
+        std::mem::take(&mut self.bytes)
+    }
+
+    fn give_back(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.pipeline.queue_bytes.fetch_sub(n, Ordering::AcqRel);
+        if let Some(t) = self.pipeline.tenant_bytes.get(self.tenant) {
+            t.fetch_sub(n, Ordering::AcqRel);
+        }
+        self.bytes -= n;
+    }
+}
+
+impl Drop for QueueHold<'_> {
+    fn drop(&mut self) {
+        self.give_back(self.bytes);
+    }
+}
+
+fn reserve_queue<'a>(
+    st: &'a AppState,
+    grant: &Grant,
+    bytes: usize,
+) -> Result<QueueHold<'a>, Refusal> {
     let p = &st.pipeline;
     let q = &st.config.queue;
     let total = p.queue_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
@@ -1079,13 +1128,17 @@ fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refus
         )
         .retry(Duration::from_secs(1)));
     }
+    let hold = QueueHold {
+        pipeline: p,
+        tenant: grant.tenant_index,
+        bytes,
+    };
     let Some(tenant) = p.tenant_bytes.get(grant.tenant_index) else {
-        return Ok(());
+        return Ok(hold);
     };
     let mine = tenant.fetch_add(bytes, Ordering::AcqRel) + bytes;
     if mine > q.tenant_max_bytes() {
-        tenant.fetch_sub(bytes, Ordering::AcqRel);
-        p.queue_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        // `hold`, dropped, gives both back.
         return Err(Refusal::new(
             StatusCode::TOO_MANY_REQUESTS,
             "tenant_queue_full",
@@ -1098,7 +1151,7 @@ fn reserve_queue(st: &AppState, grant: &Grant, bytes: usize) -> Result<(), Refus
         )
         .retry(Duration::from_secs(1)));
     }
-    Ok(())
+    Ok(hold)
 }
 
 /// The bytes of request bodies one request holds, taken from the gateway's room for them
