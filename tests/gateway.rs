@@ -867,6 +867,12 @@ async fn a_request_the_full_queue_refuses_spends_no_quota() {
     config.queue.tenant_share_percent = 100;
     // Room for two requests of 120 records a second, no more.
     config.tenants[0].records_per_sec = 300;
+    // A share of 100 is the whole queue; a tenant's share must hold one whole request.
+    assert_eq!(config.queue.tenant_max_bytes(), 64 * 1024);
+    let mut half = config.clone();
+    half.queue.tenant_share_percent = 50;
+    let e = half.validate().unwrap_err();
+    assert!(e.to_string().contains("queue.tenant_share_percent"), "{e}");
     let gw = start(config, &backend.config).await;
     let batch = |p: &str| -> Vec<Value> {
         (0..120)
@@ -1132,6 +1138,7 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     config.limits.max_body_bytes = 1 << 20;
     config.limits.max_decoded_bytes = 1 << 20;
     config.queue.max_bytes = 1 << 20;
+    config.queue.tenant_share_percent = 100;
     config.limits.max_bytes_in_flight = (2 << 20) - 1;
     let e = config.validate().unwrap_err();
     assert!(e.to_string().contains("limits.max_bytes_in_flight"), "{e}");

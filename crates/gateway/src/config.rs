@@ -70,6 +70,14 @@ impl GatewayConfig {
                 "must be at least limits.max_decoded_bytes (one whole request)",
             );
         }
+        // A request reserves its whole decoded body in its tenant's share of the queue.
+        if self.queue.tenant_max_bytes() < self.limits.max_decoded_bytes {
+            return bad(
+                "queue.tenant_share_percent",
+                "must leave a tenant at least limits.max_decoded_bytes of queue.max_bytes \
+                 (one whole request)",
+            );
+        }
         // Room is taken for a body at once, in one grant of at most u32::MAX bytes.
         for (field, n) in [
             ("limits.max_body_bytes", self.limits.max_body_bytes),
@@ -355,7 +363,9 @@ impl QueueLimits {
 
     /// The most queued bytes one tenant may hold.
     pub fn tenant_max_bytes(&self) -> usize {
-        self.max_bytes / 100 * usize::from(self.tenant_share_percent.clamp(1, 100))
+        let share = self.tenant_share_percent.clamp(1, 100);
+        // Without rounding down first: a share of 100 is the whole queue.
+        usize::try_from(self.max_bytes as u128 * u128::from(share) / 100).unwrap_or(usize::MAX)
     }
 }
 

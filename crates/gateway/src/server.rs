@@ -910,7 +910,13 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         evidence,
         reply,
     });
-    if submitted.is_err() {
+    if let Err(mpsc::error::SendError(sub)) = submitted {
+        // Never admitted: its bytes go back to the queue.
+        drop(QueueHold {
+            pipeline: &st.pipeline,
+            tenant: sub.tenant_index,
+            bytes: sub.bytes,
+        });
         return Err(Refusal::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting_down",
@@ -1070,8 +1076,6 @@ fn record_conflicts(
     }
 }
 
-/// Reserves `bytes` of the queue for `grant`'s tenant, or refuses: 429 when the tenant's
-/// share is spent (others are still served), 503 when the whole queue is.
 /// Decoded bytes of a request reserved in the queue ([`reserve_queue`]): given back when
 /// dropped, except what was handed to the committer with the request's events (it gives
 /// those back once they are committed).
@@ -1111,6 +1115,8 @@ impl Drop for QueueHold<'_> {
     }
 }
 
+/// Reserves `bytes` of the queue for `grant`'s tenant, or refuses: 429 when the tenant's
+/// share is spent (others are still served), 503 when the whole queue is.
 fn reserve_queue<'a>(
     st: &'a AppState,
     grant: &Grant,
