@@ -824,31 +824,45 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
-    let backend = support::embedded();
+/// A configuration whose queue (64 KiB, all of it the one tenant's) holds one request of
+/// [`queue_batch`] until its commit, 1.5 s later.
+fn small_queue_config() -> GatewayConfig {
     let mut config = dev_config();
     config.commit.interval = Duration::from_millis(1500);
     config.limits.max_decoded_bytes = 64 * 1024;
     config.queue.max_bytes = 64 * 1024;
     config.queue.tenant_share_percent = 100;
-    let gw = start(config, &backend.config).await;
-    let batch = |p: &str| -> Vec<Value> {
-        (0..120)
-            .map(|i| event(&format!("{p}-{i}"), "tenant-0", "p-1"))
-            .collect()
-    };
-    let url = gw.url.clone();
-    let b1 = batch("q1");
-    let first = tokio::spawn(async move { post(&url, T0, &b1).await });
+    config
+}
+
+/// 120 events of tenant-0 with ids `<p>-<i>`: about 34 KB, so one fills the small queue.
+fn queue_batch(p: &str) -> Vec<Value> {
+    (0..120)
+        .map(|i| event(&format!("{p}-{i}"), "tenant-0", "p-1"))
+        .collect()
+}
+
+/// Posts [`queue_batch`] `p` in the background and gives it time to be queued; its answer
+/// comes once it is committed.
+async fn fill_queue(url: &str, p: &str) -> tokio::task::JoinHandle<Answer> {
+    let (url, batch) = (url.to_string(), queue_batch(p));
+    let first = tokio::spawn(async move { post(&url, T0, &batch).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let a = post(&gw.url, T0, &batch("q2")).await;
+    first
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
+    let backend = support::embedded();
+    let gw = start(small_queue_config(), &backend.config).await;
+    let first = fill_queue(&gw.url, "q1").await;
+    let a = post(&gw.url, T0, &queue_batch("q2")).await;
     assert_eq!(a.status, 503, "{}", a.body);
     assert_eq!(a.body["error"]["reason"], "queue_full");
     assert!(a.headers.contains_key("retry-after"));
     assert_eq!(a.body["error"]["max_event_age_s"], 300);
     assert_eq!(first.await.unwrap().status, 200);
-    let a = post(&gw.url, T0, &batch("q2")).await;
+    let a = post(&gw.url, T0, &queue_batch("q2")).await;
     assert_eq!(a.status, 200, "{}", a.body);
     gw.stop().await;
     assert_eq!(landed(&backend.config).await.len(), 240);
@@ -860,11 +874,7 @@ async fn a_full_queue_answers_503_with_retry_after_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_the_full_queue_refuses_spends_no_quota() {
     let backend = support::embedded();
-    let mut config = dev_config();
-    config.commit.interval = Duration::from_millis(1500);
-    config.limits.max_decoded_bytes = 64 * 1024;
-    config.queue.max_bytes = 64 * 1024;
-    config.queue.tenant_share_percent = 100;
+    let mut config = small_queue_config();
     // Room for two requests of 120 records a second, no more.
     config.tenants[0].records_per_sec = 300;
     // A share of 100 is the whole queue; a tenant's share must hold one whole request.
@@ -874,19 +884,11 @@ async fn a_request_the_full_queue_refuses_spends_no_quota() {
     let e = half.validate().unwrap_err();
     assert!(e.to_string().contains("queue.tenant_share_percent"), "{e}");
     let gw = start(config, &backend.config).await;
-    let batch = |p: &str| -> Vec<Value> {
-        (0..120)
-            .map(|i| event(&format!("{p}-{i}"), "tenant-0", "p-1"))
-            .collect()
-    };
-    let url = gw.url.clone();
-    let b1 = batch("f1");
-    let first = tokio::spawn(async move { post(&url, T0, &b1).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = fill_queue(&gw.url, "f1").await;
     // The queue holds the first request until its commit: the next ones find it full,
     // and each again, since none paid the tenant's quota.
     for p in ["f2", "f3", "f4"] {
-        let a = post(&gw.url, T0, &batch(p)).await;
+        let a = post(&gw.url, T0, &queue_batch(p)).await;
         assert_eq!(a.status, 503, "{p}: {}", a.body);
         assert_eq!(a.body["error"]["reason"], "queue_full", "{p}");
     }

@@ -119,13 +119,9 @@ pub fn decode(
 ) -> Result<bytes::Bytes, Rejection> {
     decode_within(encoding, body, max_decoded, &mut |_| true).map_err(|e| match e {
         Undecoded::Rejected(r) => r,
-        Undecoded::NoRoom => unreachable_no_room(),
+        // A grant that always says yes is never refused.
+        Undecoded::NoRoom => Rejection::new(ReasonCode::MalformedBody, "no room to decode"),
     })
-}
-
-/// A grant that always says yes is never refused.
-fn unreachable_no_room() -> Rejection {
-    Rejection::new(ReasonCode::MalformedBody, "no room to decode the body")
 }
 
 /// [`decode`], asking `grant` for the decoded body's memory before it is allocated (a

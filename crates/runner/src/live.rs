@@ -185,6 +185,13 @@ impl Renewal {
             wall_ms: chrono::Utc::now().timestamp_millis(),
         }
     }
+
+    /// How long after `earlier` this is, by the later of the two clocks.
+    fn since(self, earlier: Renewal) -> Duration {
+        let wall =
+            Duration::from_millis(u64::try_from(self.wall_ms - earlier.wall_ms).unwrap_or(0));
+        self.at.saturating_duration_since(earlier.at).max(wall)
+    }
 }
 
 impl Drop for LeaseKeeper {
@@ -285,8 +292,7 @@ impl LeaseKeeper {
         let Ok(renewed) = self.renewed.lock().map(|r| *r) else {
             return Duration::MAX;
         };
-        let wall = Duration::from_millis(u64::try_from(now.wall_ms - renewed.wall_ms).unwrap_or(0));
-        now.at.saturating_duration_since(renewed.at).max(wall)
+        now.since(renewed)
     }
 
     fn check_at(&self, now: Renewal) -> Result<()> {
@@ -383,8 +389,7 @@ fn record(renewed: &Mutex<Renewal>, broken: &AtomicBool, sent: Renewal) {
     if sent.at <= r.at {
         return;
     }
-    let wall = Duration::from_millis(u64::try_from(sent.wall_ms - r.wall_ms).unwrap_or(0));
-    if sent.at.duration_since(r.at).max(wall) > LIVE_LEASE_CONTINUITY {
+    if sent.since(*r) > LIVE_LEASE_CONTINUITY {
         broken.store(true, Ordering::SeqCst);
     }
     *r = sent;
