@@ -620,6 +620,7 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             }
         };
         // 18 small files, 6 per day.
+        let appended: Vec<String> = evs.iter().map(|e| e.event_id.to_string()).collect();
         for (i, chunk) in evs.chunks(100).enumerate() {
             append(i as u64, batch(chunk)).await;
         }
@@ -667,7 +668,61 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             .unwrap();
         let read = lake.read_all(LakeTable::Events, plan.tasks).await.unwrap();
         assert_eq!(rows(&read), 1_600, "{}", b.name);
-        // Each compacted file is sorted by event time.
+        // Each compacted file holds its rows in their order of arrival, and keeps the
+        // commit that landed each: the 18 appends it merged are 18 commits of 100 rows
+        // still, as the 4 racing appends are (before row lineage, the compacted rows
+        // were 3 commits of 600).
+        let ctx = lake.session_context().await.unwrap();
+        ctx.register_table(
+            "ordered",
+            Arc::new(
+                signalweave_lake::LakeTableProvider::new(
+                    lake.clone(),
+                    LakeTable::Events,
+                    signalweave_lake::SnapshotChoice::Current,
+                )
+                .with_commit_sequence(),
+            ),
+        )
+        .unwrap();
+        let by_commit = format!(
+            "select count(*) from (select {} as s, count(*) as n from ordered group by 1) c \
+             where n = 100",
+            signalweave_lake::COMMIT_ORDER
+        );
+        let out = ctx.sql(&by_commit).await.unwrap().collect().await.unwrap();
+        assert_eq!(
+            out[0].column(0).as_primitive::<Int64Type>().value(0),
+            22,
+            "{}",
+            b.name
+        );
+        // A backfill's arrival watermarks step once per commit, the compacted ones too,
+        // read from the compacted files' data once, then from what the catalog database
+        // keeps of them.
+        let kept = |lake: &Lake| {
+            let lake = lake.clone();
+            async move {
+                // The PostgreSQL catalog is shared with other tests' lakes.
+                let (n,): (i64,) =
+                    sqlx::query_as(&lake.control_sql(
+                        "SELECT count(*) FROM sw_file_commits WHERE catalog_name = $1",
+                    ))
+                    .bind(lake.config().catalog_name.as_str())
+                    .fetch_one(lake.control_pool())
+                    .await
+                    .unwrap();
+                n
+            }
+        };
+        for read in 0..2 {
+            let (arrivals, _) = lake
+                .file_statistics(LakeTable::Events, None, "event_time", "ingest_time", 0, &[])
+                .await
+                .unwrap();
+            assert_eq!(arrivals.files(), 22, "{}: read {read}", b.name);
+            assert_eq!(kept(&lake).await, 3, "{}: read {read}", b.name);
+        }
         let current = lake.current_data_files(LakeTable::Events).await.unwrap();
         assert!(
             current.len() <= 3 + 4,
@@ -684,18 +739,24 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             .into_iter()
             .filter(|t| t.record_count == Some(600))
         {
+            // A day's six commits, in commit order, each commit's rows as it landed
+            // them: a run of the events as they were appended.
             let got = lake.read_all(LakeTable::Events, vec![task]).await.unwrap();
-            let times: Vec<i64> = got
+            let ids: Vec<String> = got
                 .iter()
                 .flat_map(|b| {
-                    b.column_by_name("event_time")
-                        .unwrap()
-                        .as_primitive::<arrow::datatypes::TimestampMicrosecondType>()
-                        .values()
-                        .to_vec()
+                    let c = b.column_by_name("event_id").unwrap();
+                    (0..b.num_rows())
+                        .map(|i| arrow::util::display::array_value_to_string(c, i).unwrap())
+                        .collect::<Vec<_>>()
                 })
                 .collect();
-            assert!(times.windows(2).all(|w| w[0] <= w[1]), "{}: sorted", b.name);
+            let start = appended.iter().position(|id| *id == ids[0]).unwrap();
+            assert!(
+                appended[start..].starts_with(&ids),
+                "{}: in commit order",
+                b.name
+            );
         }
         // Once the snapshots that referenced them expire, the replaced files are deleted.
         let r = lake
@@ -716,6 +777,46 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             count(&lake, "select count(*) from signalweave.events").await,
             2_200
         );
+        // An erasure that rewrites compacted files keeps each remaining row's commit: the
+        // 22 commits are all still there.
+        let out = ctx
+            .sql("select min(customer_id) from ordered")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let subject = arrow::util::display::array_value_to_string(out[0].column(0), 0).unwrap();
+        let erased = lake
+            .erase_customer(&signalweave_lake::ErasureRequest {
+                customer_id: subject,
+                tenant: None,
+                reason: "lineage".into(),
+                requested_by: "test".into(),
+                outputs: Vec::new(),
+            })
+            .await
+            .unwrap();
+        assert!(erased.tables[0].rows > 0, "{}: {erased:?}", b.name);
+        let commits = format!(
+            "select count(distinct {}) from ordered",
+            signalweave_lake::COMMIT_ORDER
+        );
+        let out = ctx.sql(&commits).await.unwrap().collect().await.unwrap();
+        assert_eq!(
+            out[0].column(0).as_primitive::<Int64Type>().value(0),
+            22,
+            "{}: commits after an erasure",
+            b.name
+        );
+        // The rewritten files step once per commit still; what was kept of the replaced
+        // ones goes with them.
+        let (arrivals, _) = lake
+            .file_statistics(LakeTable::Events, None, "event_time", "ingest_time", 0, &[])
+            .await
+            .unwrap();
+        assert_eq!(arrivals.files(), 22, "{}: after the erasure", b.name);
+        assert_eq!(kept(&lake).await, 3, "{}: after the erasure", b.name);
     }
 }
 

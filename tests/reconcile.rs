@@ -352,6 +352,47 @@ fn reconcile_balances_finds_a_wrong_version_and_renders_its_plots() {
         None => eprintln!("skipped: chromium is not installed"),
     }
 
+    // After a compaction of the landing table (the small files of many commits merged
+    // into one per day), the oracle still replays each row in its own commit: the same
+    // match, with the same late records and the same accounting.
+    let compacted = ok(sw(&lake)
+        .args(["lake", "compact", "--table", "events", "--min-files", "2"])
+        .args(["--format", "json"])
+        .output()
+        .unwrap());
+    let compacted: Value = serde_json::from_str(&compacted).unwrap();
+    let merged: Vec<u64> = compacted[0]["files"]
+        .as_str()
+        .unwrap()
+        .split(" -> ")
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(merged[0] > 10 && merged[1] < merged[0], "{compacted}");
+    let (code, after) = reconcile(&lake, &dir.path().join("report-compacted"), "live");
+    assert_eq!(
+        code, 0,
+        "after compaction ({compacted}): {}",
+        after["findings"]
+    );
+    assert_eq!(after["windows"], r["windows"]);
+    assert_eq!(after["accounting"], r["accounting"]);
+    assert_eq!(after["late"], r["late"]);
+    // The same duplicates, each with the same twin (listed in another order).
+    let pairs = |r: &Value| {
+        let mut p: Vec<String> = r["duplicates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(Value::to_string)
+            .collect();
+        p.sort();
+        p
+    };
+    assert!(
+        pairs(&after) == pairs(&r),
+        "other duplicates after compaction"
+    );
+
     // A deliberately wrong output version is found: exit 1, the window named.
     let (key, ws) = tamper(&lake);
     let (code, r) = reconcile(&lake, &dir.path().join("report-wrong"), "live");

@@ -3,8 +3,9 @@
 //! event of the range accounted for.
 //!
 //! The oracle shares no code with the window engine. It reads `signalweave.events` at one
-//! snapshot, with the commit order of every row (the sequence number of its data file),
-//! and applies the job's rules as the documentation states them:
+//! snapshot, with the commit order of every row (the sequence number of the commit that
+//! landed it: its data file's, or the one a compaction kept in the row's lineage), and
+//! applies the job's rules as the documentation states them:
 //! - **Arrival watermark.** A record is judged by the watermark a reader tailing the table
 //!   had when the record arrived: the largest event time of the job's records committed
 //!   before it (commits ordered by (largest ingest time, sequence number), the record by
@@ -29,8 +30,7 @@ use arrow::datatypes::{DataType, Float64Type, Int64Type};
 use datafusion::prelude::SessionContext;
 use serde::Serialize;
 use signalweave_lake::{
-    COMMIT_SEQUENCE_COLUMN, Lake, LakeTable, LakeTableProvider, NAMESPACE, SQL_CATALOG,
-    SnapshotChoice,
+    COMMIT_ORDER, Lake, LakeTable, LakeTableProvider, NAMESPACE, SQL_CATALOG, SnapshotChoice,
 };
 use signalweave_model::ErrorKind;
 use signalweave_window::{AggregateFunction, JobSpec, WindowSpec, micros};
@@ -543,7 +543,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let job = quote(&spec.name);
     let ns = quote(&request.namespace);
     let in_scope = rules.in_scope();
-    let seq = COMMIT_SEQUENCE_COLUMN;
+    // Each row's commit, kept through compactions (see `COMMIT_ORDER`).
+    let seq = COMMIT_ORDER;
     // Pane windows starting before `to` end by `to + size`. A session starting in the
     // range can last any time, and whether it starts in the range depends on the record
     // before `from` (within a gap it continues an earlier session). Every other copy of an

@@ -173,7 +173,8 @@ enum LakeCommand {
         format: Format,
     },
     /// Bin-pack the small data files of each partition into files of about the target
-    /// size, sorted by time, as one `replace` snapshot (the live tail skips it).
+    /// size, as one `replace` snapshot (the live tail skips it). Events are kept in
+    /// commit order with each row's commit (row lineage), other tables sorted by time.
     Compact {
         /// One table (default: all).
         #[arg(long)]

@@ -12,8 +12,10 @@
 //!
 //! Files the gateway or a load committed hold one commit each, so the steps are per
 //! commit, as a live job reading one commit per step sees them. A compacted file holds
-//! many commits and a new sequence number: it contributes only after its last arrival, so
-//! around compacted data the recovered watermark can differ from the live one.
+//! many commits under a new sequence number, but keeps each row's own in its lineage
+//! column (see `crate::lineage`): its statistics are then read from its data, commit by
+//! commit, so each of its commits is a step of its own, where it was before compaction,
+//! and its records are ordered by their own commits ([`ArrivalWatermarks::has_lineage`]).
 //!
 //! A file an erasure rewrote keeps its sequence number, so its records keep their place;
 //! its statistics bound the rows kept, so where an erased row held its largest event or
@@ -23,9 +25,14 @@ use iceberg::scan::FileScanTask;
 use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};
 use signalweave_model::ErrorKind;
 
+use arrow::array::{Array, AsArray};
+use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
+use futures::TryStreamExt;
+
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
 use crate::layout::LakeTable;
+use crate::lineage::has_lineage;
 use crate::maintain::data_manifests;
 
 /// The reader's watermark as a function of arrival time (see the module documentation).
@@ -42,26 +49,34 @@ pub struct ArrivalWatermarks {
 /// When one data file's records arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct FileArrival {
+    /// Its records' lowest commit sequence number.
     sequence: i64,
     /// The watermark its first record arrived at (`i64::MIN` when unknown).
     first_watermark: i64,
-    /// Its lowest ingest time, when known.
-    first_ingest: Option<i64>,
-    /// Its highest ingest time.
-    last_ingest: i64,
+    /// Where its first record arrived, when its lowest ingest time is known.
+    first: Option<ArrivalKey>,
+    /// Where its last record arrived.
+    last: ArrivalKey,
     /// The one watermark all its records arrived at, when that is known (see
     /// [`ArrivalWatermarks::uniform_of`]).
     uniform: Option<i64>,
+    /// Its records' commits are in its lineage column, not its sequence number.
+    lineage: bool,
 }
 
 /// Where a record stands in arrival order: (ingest time, sequence number of its file).
 pub type ArrivalKey = (i64, i64);
 
-/// What a data file's column statistics tell of its arrival.
+/// What a data file's column statistics tell of its arrival: of all its records, or of
+/// those of one commit of a file with row lineage (a file is then given once per commit
+/// it holds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArrivedFile {
     /// The file's path.
     pub path: String,
+    /// Whether the file keeps each record's commit in its lineage column: `sequence` is
+    /// then that commit's.
+    pub lineage: bool,
     /// The lowest ingest time of its records (µs), when known.
     pub first_ingest: Option<i64>,
     /// The highest ingest time of its records (µs).
@@ -96,31 +111,50 @@ impl ArrivalWatermarks {
             files: Default::default(),
             bound_us,
         };
-        w.files = files
-            .into_iter()
-            .map(|f| {
-                let first = f.first_ingest.map_or(i64::MIN, |a| w.at(a, f.sequence));
-                // The watermark never goes back, so records that arrived between two
-                // arrivals at one watermark arrived at that one too.
-                let uniform = f
-                    .first_ingest
-                    .filter(|_| f.null_free && w.at(f.last_ingest, f.sequence) == first)
-                    .map(|_| first);
-                let arrival = FileArrival {
-                    sequence: f.sequence,
-                    first_watermark: first,
-                    first_ingest: f.first_ingest,
-                    last_ingest: f.last_ingest,
-                    uniform,
-                };
-                (f.path, arrival)
-            })
-            .collect();
+        let mut by_path: std::collections::HashMap<String, FileArrival> = Default::default();
+        for f in files {
+            let first_key = f.first_ingest.map(|a| (a, f.sequence));
+            let first = first_key.map_or(i64::MIN, |(a, s)| w.at(a, s));
+            let last = (f.last_ingest, f.sequence);
+            // The watermark never goes back, so records that arrived between two
+            // arrivals at one watermark arrived at that one too.
+            let uniform = first_key
+                .filter(|_| f.null_free && w.at(last.0, last.1) == first)
+                .map(|_| first);
+            let arrival = FileArrival {
+                sequence: f.sequence,
+                first_watermark: first,
+                first: first_key,
+                last,
+                uniform,
+                lineage: f.lineage,
+            };
+            by_path
+                .entry(f.path)
+                .and_modify(|a| {
+                    // Another commit of a file with lineage: the file spans them all.
+                    a.sequence = a.sequence.min(arrival.sequence);
+                    a.first_watermark = a.first_watermark.min(arrival.first_watermark);
+                    a.first = a.first.zip(arrival.first).map(|(x, y)| x.min(y));
+                    a.last = a.last.max(arrival.last);
+                    a.uniform = None;
+                    a.lineage = true;
+                })
+                .or_insert(arrival);
+        }
+        w.files = by_path;
         w
     }
 
+    /// Whether the data file at `path` keeps its records' commits in its lineage column
+    /// (a compacted file): they must be read with it and ordered by it, not by the
+    /// file's sequence number.
+    pub fn has_lineage(&self, path: &str) -> bool {
+        self.files.get(path).is_some_and(|f| f.lineage)
+    }
+
     /// The sequence number of the data file at `path` (`i64::MAX` when unknown: only
-    /// ingest time then orders its records).
+    /// ingest time then orders its records); of a file with lineage, its records' lowest.
     pub fn sequence_of(&self, path: &str) -> i64 {
         self.files.get(path).map_or(i64::MAX, |f| f.sequence)
     }
@@ -147,12 +181,7 @@ impl ArrivalWatermarks {
     /// which order records as [`ArrivalWatermarks::at`] does. `None` for a file without
     /// statistics.
     pub fn arrival_of(&self, path: &str) -> Option<(Option<ArrivalKey>, ArrivalKey)> {
-        self.files.get(path).map(|f| {
-            (
-                f.first_ingest.map(|a| (a, f.sequence)),
-                (f.last_ingest, f.sequence),
-            )
-        })
+        self.files.get(path).map(|f| (f.first, f.last))
     }
 
     /// The watermark a reader had just before a record ingested at `ingest_us` in the
@@ -182,7 +211,8 @@ impl ArrivalWatermarks {
         }
     }
 
-    /// Files that contributed.
+    /// Commits that contributed: a data file each, or each commit of a file with row
+    /// lineage.
     pub fn files(&self) -> usize {
         self.steps.len()
     }
@@ -270,21 +300,36 @@ impl Lake {
             .collect();
         let (files, ids) = self.live_data_files(table, snapshot_id, &columns).await?;
         let (event_id, arrival_id) = (ids[0], ids[1]);
-        let arrivals = files
-            .iter()
-            .filter_map(|(f, seq)| {
-                let upper = f.upper_bounds();
-                Some(ArrivedFile {
-                    path: f.file_path().to_string(),
-                    first_ingest: f.lower_bounds().get(&arrival_id).and_then(micros),
-                    last_ingest: upper.get(&arrival_id).and_then(micros)?,
-                    sequence: *seq,
-                    last_event: upper.get(&event_id).and_then(micros)?,
-                    null_free: ids[1..]
-                        .iter()
-                        .all(|id| f.null_value_counts().get(id) == Some(&0)),
-                })
-            })
+        let mut arrivals = Vec::new();
+        let mut base = None;
+        for (f, _) in files.iter().filter(|(f, _)| has_lineage(f)) {
+            let base = match &base {
+                Some(b) => b,
+                None => base.insert(self.table(table).await?),
+            };
+            arrivals.extend(self.commits_of(base, f, event_id, arrival_id).await?);
+        }
+        let arrivals = arrivals
+            .into_iter()
+            .chain(
+                files
+                    .iter()
+                    .filter(|(f, _)| !has_lineage(f))
+                    .filter_map(|(f, seq)| {
+                        let upper = f.upper_bounds();
+                        Some(ArrivedFile {
+                            path: f.file_path().to_string(),
+                            lineage: false,
+                            first_ingest: f.lower_bounds().get(&arrival_id).and_then(micros),
+                            last_ingest: upper.get(&arrival_id).and_then(micros)?,
+                            sequence: *seq,
+                            last_event: upper.get(&event_id).and_then(micros)?,
+                            null_free: ids[1..]
+                                .iter()
+                                .all(|id| f.null_value_counts().get(id) == Some(&0)),
+                        })
+                    }),
+            )
             .collect();
         let spans = files
             .iter()
@@ -302,6 +347,162 @@ impl Lake {
             ArrivalWatermarks::from_files(arrivals, bound_us),
             FileSpans { spans },
         ))
+    }
+
+    /// What `file`, a file with row lineage, holds of each commit: its records' ingest
+    /// and event times (fields `arrival_id` and `event_id`), since its statistics span its
+    /// commits. Never null-free: its statistics do not vouch for any column.
+    ///
+    /// They are read from its data once, then kept in the catalog database
+    /// (`sw_file_commits`, by path: a data file never changes), so a plan reads a row
+    /// per compacted file, not its data. A database without the table (a lake not
+    /// initialised by this version) is read from the data every time.
+    async fn commits_of(
+        &self,
+        base: &iceberg::table::Table,
+        file: &DataFile,
+        event_id: i32,
+        arrival_id: i32,
+    ) -> Result<Vec<ArrivedFile>> {
+        let fields = format!("{event_id}/{arrival_id}");
+        let kept: std::result::Result<Option<(String,)>, _> = sqlx::query_as(&self.control_sql(
+            "SELECT commits FROM sw_file_commits WHERE catalog_name = $1 AND file_path = $2 \
+             AND fields = $3",
+        ))
+        .bind(self.config().catalog_name.as_str())
+        .bind(file.file_path())
+        .bind(&fields)
+        .fetch_optional(self.control_pool())
+        .await;
+        let summary = match kept {
+            Ok(Some((json,))) => match serde_json::from_str::<Vec<[i64; 4]>>(&json) {
+                Ok(commits) => Some(commits),
+                Err(e) => {
+                    tracing::warn!(file = file.file_path(), error = %e, "unreadable commit summary; reading the file");
+                    None
+                }
+            },
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(file = file.file_path(), error = %e, "no commit summary kept; reading the file");
+                None
+            }
+        };
+        let commits = match summary {
+            Some(commits) => commits,
+            None => {
+                let commits = self.read_commits(base, file, event_id, arrival_id).await?;
+                let json = serde_json::to_string(&commits).unwrap_or_default();
+                let kept = sqlx::query(&self.control_sql(
+                    "INSERT INTO sw_file_commits (catalog_name, file_path, fields, commits) \
+                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                ))
+                .bind(self.config().catalog_name.as_str())
+                .bind(file.file_path())
+                .bind(&fields)
+                .bind(json)
+                .execute(self.control_pool())
+                .await;
+                if let Err(e) = kept {
+                    tracing::debug!(file = file.file_path(), error = %e, "could not keep a commit summary");
+                }
+                commits
+            }
+        };
+        Ok(commits
+            .into_iter()
+            .map(|[sequence, first, last, event]| ArrivedFile {
+                path: file.file_path().to_string(),
+                lineage: true,
+                first_ingest: Some(first),
+                last_ingest: last,
+                sequence,
+                last_event: event,
+                null_free: false,
+            })
+            .collect())
+    }
+
+    /// Forgets what `sw_file_commits` keeps of the data files at `paths` (deleted). A
+    /// failure leaves rows no live file will ask for, and is only logged.
+    pub(crate) async fn forget_file_commits(&self, paths: &[String]) {
+        for chunk in paths.chunks(500) {
+            let places: Vec<String> = (2..chunk.len() + 2).map(|i| format!("${i}")).collect();
+            let sql = self.control_sql(&format!(
+                "DELETE FROM sw_file_commits WHERE catalog_name = $1 AND file_path IN ({})",
+                places.join(", ")
+            ));
+            let mut q = sqlx::query(&sql).bind(self.config().catalog_name.as_str());
+            for p in chunk {
+                q = q.bind(p.as_str());
+            }
+            if let Err(e) = q.execute(self.control_pool()).await {
+                tracing::debug!(error = %e, "could not forget the commit summaries of deleted files");
+                return;
+            }
+        }
+    }
+
+    /// [`Lake::commits_of`] read from the data: (sequence, lowest and highest ingest time,
+    /// highest event time) of each commit, by sequence. A commit none of whose records
+    /// has both times is left out, as a file without those statistics is.
+    async fn read_commits(
+        &self,
+        base: &iceberg::table::Table,
+        file: &DataFile,
+        event_id: i32,
+        arrival_id: i32,
+    ) -> Result<Vec<[i64; 4]>> {
+        let md = base.metadata();
+        let task = crate::lake::whole_file_task(
+            file,
+            md.current_schema(),
+            &[event_id, arrival_id],
+            Some(md.default_partition_spec().clone()),
+        );
+        let unreadable = || {
+            LakeError::new(
+                ErrorKind::Internal,
+                format!(
+                    "{}: a file with row lineage whose commits cannot be read",
+                    file.file_path()
+                ),
+            )
+        };
+        let (stream, true) = crate::ranged::open_whole(base.file_io(), &task, 65_536)
+            .await
+            .map_err(|e| LakeError::iceberg("read the commits of a data file", e))?
+            .ok_or_else(unreadable)?
+        else {
+            return Err(unreadable());
+        };
+        let batches: Vec<arrow::array::RecordBatch> = stream
+            .try_collect()
+            .await
+            .map_err(|e| LakeError::iceberg("read the commits of a data file", e))?;
+        // By commit: (lowest ingest time, highest ingest time, highest event time).
+        let mut commits: std::collections::BTreeMap<i64, (i64, i64, i64)> = Default::default();
+        for b in &batches {
+            let (Some(events), Some(ingests), Some(lineage)) = (
+                b.column(0).as_primitive_opt::<TimestampMicrosecondType>(),
+                b.column(1).as_primitive_opt::<TimestampMicrosecondType>(),
+                b.column(2).as_primitive_opt::<Int64Type>(),
+            ) else {
+                return Err(unreadable());
+            };
+            for row in 0..b.num_rows() {
+                if events.is_null(row) || ingests.is_null(row) || lineage.is_null(row) {
+                    continue;
+                }
+                let (t, a) = (events.value(row), ingests.value(row));
+                let c = commits.entry(lineage.value(row)).or_insert((a, a, t));
+                *c = (c.0.min(a), c.1.max(a), c.2.max(t));
+            }
+        }
+        Ok(commits
+            .into_iter()
+            .map(|(sequence, (first, last, event))| [sequence, first, last, event])
+            .collect())
     }
 
     /// The live data files of `table` as of `snapshot_id` (None: current; none for an
@@ -413,6 +614,7 @@ mod tests {
         // (largest ingest, sequence, largest event time): the third file is late data.
         let f = |p: &str, a, s, t| ArrivedFile {
             path: p.to_string(),
+            lineage: false,
             first_ingest: Some(a - 3),
             last_ingest: a,
             sequence: s,
@@ -488,6 +690,7 @@ mod tests {
             let w = ArrivalWatermarks::from_files(
                 files.iter().enumerate().map(|(i, &(a, s, t))| ArrivedFile {
                     path: format!("f{i}"),
+                    lineage: false,
                     first_ingest: (i % 3 != 0).then_some(a - i as i64 % 5),
                     last_ingest: a,
                     sequence: s,

@@ -1,6 +1,9 @@
 //! Data-file compaction: bin-pack the small files of a partition into files of about the
-//! target size, rows sorted by the table's time column, committed as one `replace`
-//! snapshot on the project's own commit path (see [`crate::maintain`]).
+//! target size, committed as one `replace` snapshot on the project's own commit path (see
+//! [`crate::maintain`]). The events table's rows are written in their order of arrival,
+//! another table's sorted by its time column; every row keeps the commit that landed it
+//! in the file's lineage column (see [`crate::lineage`]), so readers that replay commits
+//! (a backfill, reconciliation) see the compacted rows where they were.
 //!
 //! A replace snapshot adds no rows: the live tail skips it, so compacted data is never
 //! read twice. The replaced files stay until the snapshots that reference them expire.
@@ -8,10 +11,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use arrow_array::RecordBatch;
+use arrow_array::{Array, ArrayRef, RecordBatch};
 use futures::{StreamExt, TryStreamExt};
 use iceberg::io::FileIO;
-use iceberg::scan::FileScanTask;
 use iceberg::spec::{
     DataContentType, DataFile, DataFileBuilder, Manifest, ManifestContentType, ManifestFile,
     ManifestListWriter, ManifestWriterBuilder, Operation, Snapshot, SnapshotRef, Summary,
@@ -21,9 +23,7 @@ use serde::Serialize;
 use signalweave_model::ErrorKind;
 
 use crate::error::{LakeError, Result};
-use crate::lake::{
-    CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake, on_table_schema, whole_file_task,
-};
+use crate::lake::{CommitIdentity, DEFAULT_TARGET_FILE_SIZE, Lake};
 use crate::layout::LakeTable;
 use crate::maintain::{current_manifests, data_manifests, live_data};
 
@@ -366,6 +366,40 @@ fn partition_day(file: &DataFile) -> Option<i32> {
     })
 }
 
+/// The bins of `files` (each with its sequence number and size) that a compaction
+/// merges, oldest first: runs of consecutive commits of about `target` bytes, never across
+/// a commit of `between` (a file left as it is), so a reader of the partition's files in
+/// commit order reads every commit in order. A run of one file stays as it is.
+fn runs<T>(mut files: Vec<(T, i64, u64)>, between: &[i64], target: u64) -> Vec<Vec<(T, i64)>> {
+    files.sort_by_key(|f| f.1);
+    let mut bins = Vec::new();
+    let mut bin: Vec<(T, i64)> = Vec::new();
+    let mut bytes = 0u64;
+    let close = |bin: &mut Vec<(T, i64)>, bins: &mut Vec<Vec<(T, i64)>>| {
+        if bin.len() >= 2 {
+            bins.push(std::mem::take(bin));
+        }
+        bin.clear();
+    };
+    for (f, seq, size) in files {
+        let across = bin
+            .last()
+            .is_some_and(|(_, last)| between.iter().any(|s| s > last && *s < seq));
+        if across {
+            close(&mut bin, &mut bins);
+            bytes = 0;
+        }
+        bytes += size;
+        bin.push((f, seq));
+        if bytes >= target {
+            close(&mut bin, &mut bins);
+            bytes = 0;
+        }
+    }
+    close(&mut bin, &mut bins);
+    bins
+}
+
 impl Lake {
     /// Compacts the small files of `table` (or of one day partition): see the module docs.
     pub async fn compact(
@@ -380,43 +414,53 @@ impl Lake {
             return Ok(report);
         };
         let loaded = data_manifests(&base, current).await?;
-        let mut by_day: HashMap<Option<i32>, Vec<DataFile>> = HashMap::new();
+        // Each small file with its data sequence number, the lineage of its rows that
+        // hold none of their own (see `crate::lineage`).
+        let mut by_day: HashMap<Option<i32>, Vec<(DataFile, i64)>> = HashMap::new();
+        // The sequence numbers of the files left as they are, by partition.
+        let mut kept: HashMap<Option<i32>, Vec<i64>> = HashMap::new();
         for manifest in &loaded {
             for e in manifest.entries().iter().filter(|e| e.is_alive()) {
                 let f = e.data_file();
-                if f.content_type() != DataContentType::Data
-                    || f.file_size_in_bytes() >= policy.small_file_bytes
-                {
+                if f.content_type() != DataContentType::Data {
                     continue;
                 }
                 let day = partition_day(f);
                 if policy.partition_day.is_some() && policy.partition_day != day {
                     continue;
                 }
-                by_day.entry(day).or_default().push(f.clone());
+                let sequence = e.sequence_number().ok_or_else(|| {
+                    LakeError::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "{}: a live data file without a sequence number",
+                            f.file_path()
+                        ),
+                    )
+                })?;
+                if f.file_size_in_bytes() >= policy.small_file_bytes {
+                    kept.entry(day).or_default().push(sequence);
+                } else {
+                    by_day.entry(day).or_default().push((f.clone(), sequence));
+                }
             }
         }
-        // Bins of about the target size, per partition, oldest files first.
-        let mut bins: Vec<Vec<DataFile>> = Vec::new();
-        for (_, mut files) in by_day {
+        // Bins of about the target size, per partition (see `runs`).
+        let mut bins: Vec<Vec<(DataFile, i64)>> = Vec::new();
+        for (day, files) in by_day {
             if files.len() < policy.min_input_files.max(2) {
                 continue;
             }
             report.partitions += 1;
-            files.sort_by(|a, b| a.file_path().cmp(b.file_path()));
-            let mut bin = Vec::new();
-            let mut bytes = 0u64;
-            for f in files {
-                bytes += f.file_size_in_bytes();
-                bin.push(f);
-                if bytes >= policy.target_file_bytes {
-                    bins.push(std::mem::take(&mut bin));
-                    bytes = 0;
-                }
-            }
-            if bin.len() >= 2 {
-                bins.push(bin);
-            }
+            let between = kept.remove(&day).unwrap_or_default();
+            let sized = files
+                .into_iter()
+                .map(|(f, seq)| {
+                    let size = f.file_size_in_bytes();
+                    (f, seq, size)
+                })
+                .collect();
+            bins.extend(runs(sized, &between, policy.target_file_bytes));
         }
         if bins.is_empty() {
             return Ok(report);
@@ -428,8 +472,8 @@ impl Lake {
         let mut added: Vec<DataFile> = Vec::new();
         let mut removed: Vec<DataFile> = Vec::new();
         for bin in bins {
-            let rows_in: u64 = bin.iter().map(|f| f.record_count()).sum();
-            let batch = self.read_sorted(&base, table, &bin).await?;
+            let rows_in: u64 = bin.iter().map(|(f, _)| f.record_count()).sum();
+            let (batch, lineage) = self.read_sorted(&base, table, &bin).await?;
             if batch.num_rows() as u64 != rows_in {
                 return Err(LakeError::new(
                     ErrorKind::Internal,
@@ -439,12 +483,12 @@ impl Lake {
                     ),
                 ));
             }
-            let mut w = self.append_writer(table, &identity).await?;
-            w.write(&batch).await?;
+            let mut w = self.lineage_writer(table, &identity).await?;
+            w.write_lineaged(&batch, &lineage).await?;
             let written = w.finish().await?;
             report.rows += rows_in;
             added.extend(written.into_files());
-            removed.extend(bin);
+            removed.extend(bin.into_iter().map(|(f, _)| f));
         }
         report.files_removed = removed.len();
         report.files_added = added.len();
@@ -502,31 +546,60 @@ impl Lake {
         }
     }
 
+    /// The rows of `files` (each with its data sequence number) in one batch, with each
+    /// row's lineage: the events table's in commit order, each commit's rows in the order
+    /// it landed them, so the file replays its commits as a reader tailing them read
+    /// them; another table's sorted by its time column.
     async fn read_sorted(
         &self,
         base: &Table,
         table: LakeTable,
-        files: &[DataFile],
-    ) -> Result<RecordBatch> {
-        let md = base.metadata();
-        let schema = md.current_schema().clone();
-        let field_ids: Vec<i32> = schema.as_struct().fields().iter().map(|f| f.id).collect();
-        let spec = Some(md.default_partition_spec().clone());
-        let tasks: Vec<FileScanTask> = files
-            .iter()
-            .map(|file| whole_file_task(file, &schema, &field_ids, spec.clone()))
-            .collect();
-        let batches = on_table_schema(table, self.read_all(table, tasks).await?)?;
+        files: &[(DataFile, i64)],
+    ) -> Result<(RecordBatch, ArrayRef)> {
+        let mut batches = Vec::new();
+        let mut lineages = Vec::new();
+        for (file, sequence) in files {
+            for (b, l) in self.read_lineaged(base, table, file, *sequence).await? {
+                batches.push(b);
+                lineages.push(l);
+            }
+        }
         let arrow_schema = table.arrow_schema();
         let all = arrow::compute::concat_batches(&arrow_schema, &batches)
             .map_err(|e| LakeError::arrow("concatenate for compaction", e))?;
-        let time = all
-            .column_by_name(table.time_column())
-            .ok_or_else(|| LakeError::new(ErrorKind::Internal, "the time column is missing"))?;
-        let order = arrow::compute::sort_to_indices(time, None, None)
-            .map_err(|e| LakeError::arrow("sort by time", e))?;
-        arrow::compute::take_record_batch(&all, &order)
-            .map_err(|e| LakeError::arrow("reorder by time", e))
+        let lineage: Vec<&dyn Array> = lineages.iter().map(|l| l.as_ref()).collect();
+        let lineage = if lineage.is_empty() {
+            Arc::new(arrow_array::Int64Array::from(Vec::<i64>::new())) as ArrayRef
+        } else {
+            arrow::compute::concat(&lineage)
+                .map_err(|e| LakeError::arrow("concatenate lineage for compaction", e))?
+        };
+        let column = |name: &str| {
+            all.column_by_name(name).cloned().ok_or_else(|| {
+                LakeError::new(ErrorKind::Internal, format!("the {name} column is missing"))
+            })
+        };
+        let sort = |values: ArrayRef| arrow::compute::SortColumn {
+            values,
+            options: None,
+        };
+        // Each commit's rows are in one input file, in their order, and the inputs are
+        // concatenated in order: their place breaks ties.
+        let place: ArrayRef = Arc::new(arrow_array::UInt64Array::from_iter_values(
+            0..all.num_rows() as u64,
+        ));
+        let keys = if table == LakeTable::Events {
+            vec![sort(Arc::clone(&lineage)), sort(place)]
+        } else {
+            vec![sort(column(table.time_column())?), sort(place)]
+        };
+        let order = arrow::compute::lexsort_to_indices(&keys, None)
+            .map_err(|e| LakeError::arrow("sort for compaction", e))?;
+        let rows = arrow::compute::take_record_batch(&all, &order)
+            .map_err(|e| LakeError::arrow("reorder for compaction", e))?;
+        let lineage = arrow::compute::take(&lineage, &order, None)
+            .map_err(|e| LakeError::arrow("reorder lineage for compaction", e))?;
+        Ok((rows, lineage))
     }
 
     /// Commits a snapshot of `base` in which the `removed` files are replaced by the
@@ -788,5 +861,48 @@ impl Lake {
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    fn names<T: Copy>(bins: &[Vec<(T, i64)>]) -> Vec<Vec<T>> {
+        bins.iter()
+            .map(|b| b.iter().map(|(f, _)| *f).collect())
+            .collect()
+    }
+
+    #[test]
+    fn bins_are_runs_of_consecutive_commits_of_about_the_target_size() {
+        // Out of order by name and sequence: binned by sequence.
+        let files = vec![
+            ("d", 4, 40),
+            ("a", 1, 40),
+            ("c", 3, 40),
+            ("b", 2, 40),
+            ("e", 5, 40),
+        ];
+        assert_eq!(
+            names(&runs(files, &[], 100)),
+            [vec!["a", "b", "c"], vec!["d", "e"]]
+        );
+    }
+
+    #[test]
+    fn no_bin_spans_a_commit_left_as_it_is() {
+        let files = vec![
+            ("a", 1, 10),
+            ("b", 2, 10),
+            ("c", 4, 10),
+            ("d", 5, 10),
+            ("e", 7, 10),
+        ];
+        // Commits 3 and 6 are large files: a, b | c, d | e (alone, left as it is).
+        assert_eq!(
+            names(&runs(files, &[3, 6], 100)),
+            [vec!["a", "b"], vec!["c", "d"]]
+        );
     }
 }

@@ -26,6 +26,7 @@ use crate::compact::{CONFLICT_ATTEMPTS, ManifestReads, PreparedReplace, RewriteS
 use crate::error::{LakeError, Result};
 use crate::lake::{CommitIdentity, Lake, on_table_schema, whole_file_task};
 use crate::layout::LakeTable;
+use crate::lineage::has_lineage;
 use crate::maintain::{MaintenancePolicy, Retention};
 
 /// How the output key of one job version names a customer: its key columns' positions
@@ -537,7 +538,7 @@ impl Lake {
         let mut bytes_removed = 0u64;
         let mut rows_removed_files = 0u64;
         // The rows each file hit keeps, with its data sequence number, not written yet.
-        let mut pending: Vec<(i64, Vec<RecordBatch>)> = Vec::new();
+        let mut pending: Vec<(i64, bool, Vec<crate::lineage::Lineaged>)> = Vec::new();
         let mut added: Vec<DataFile> = Vec::new();
         let mut erased: Vec<RecordBatch> = Vec::new();
         let mut writes = 0u64;
@@ -575,23 +576,21 @@ impl Lake {
                     added.clear();
                     erased.clear();
                 }
-                let schema = md.current_schema().clone();
-                let field_ids: Vec<i32> =
-                    schema.as_struct().fields().iter().map(|f| f.id).collect();
-                let spec = Some(md.default_partition_spec().clone());
-                let tasks: Vec<_> = files
+                let unexamined: Vec<(DataFile, i64)> = files
                     .iter()
                     .filter(|(f, _)| examined.insert(f.file_path().to_string()))
-                    .map(|(f, seq)| (whole_file_task(f, &schema, &field_ids, spec.clone()), *seq))
+                    .cloned()
                     .collect();
-                for (task, sequence) in tasks {
-                    let path = task.data_file_path.clone();
-                    let size = task.file_size_in_bytes;
-                    let batches = on_table_schema(table, self.read_all(table, vec![task]).await?)?;
+                for (file, sequence) in unexamined {
+                    let path = file.file_path().to_string();
+                    let size = file.file_size_in_bytes();
+                    // Each row with its lineage, which the rewrite keeps (see
+                    // `crate::lineage`).
+                    let batches = self.read_lineaged(&base, table, &file, sequence).await?;
                     let mut file_kept = Vec::new();
                     let mut hit = false;
                     let mut rows = 0u64;
-                    for b in &batches {
+                    for (b, lineage) in &batches {
                         rows += b.num_rows() as u64;
                         let mask = keep(b)?;
                         let gone = arrow::compute::not(&mask)
@@ -602,18 +601,20 @@ impl Lake {
                             hit = true;
                             erased.push(dropped);
                         }
-                        file_kept.push(
+                        file_kept.push((
                             arrow::compute::filter_record_batch(b, &mask)
                                 .map_err(|e| LakeError::arrow("erasure filter", e))?,
-                        );
+                            arrow::compute::filter(lineage.as_ref(), &mask)
+                                .map_err(|e| LakeError::arrow("erasure filter", e))?,
+                        ));
                     }
                     if hit {
                         removed.insert(path);
                         bytes_removed += size;
                         rows_removed_files += rows;
-                        file_kept.retain(|b| b.num_rows() > 0);
+                        file_kept.retain(|(b, _)| b.num_rows() > 0);
                         if !file_kept.is_empty() {
-                            pending.push((sequence, file_kept));
+                            pending.push((sequence, has_lineage(&file), file_kept));
                         }
                     }
                 }
@@ -621,14 +622,25 @@ impl Lake {
                     return Ok((out, Vec::new()));
                 }
                 // Each file's rows in files of their own, which keep its data sequence
-                // number: the rows stay where they were in the order of arrival.
-                for (sequence, batches) in pending.drain(..) {
+                // number: the rows stay where they were in the order of arrival. A file
+                // that held the rows of many commits (a compacted one) keeps each row's in
+                // its lineage column; another stays a file of one commit, whose statistics
+                // tell its arrival without reading it.
+                for (sequence, lineaged, batches) in pending.drain(..) {
                     let identity =
                         CommitIdentity::new(format!("{erasure_id}-{}", table.name()), writes);
                     writes += 1;
-                    let mut w = self.append_writer(table, &identity).await?;
-                    for b in &batches {
-                        w.write(b).await?;
+                    let mut w = if lineaged {
+                        self.lineage_writer(table, &identity).await?
+                    } else {
+                        self.append_writer(table, &identity).await?
+                    };
+                    for (b, lineage) in &batches {
+                        if lineaged {
+                            w.write_lineaged(b, lineage).await?;
+                        } else {
+                            w.write(b).await?;
+                        }
                     }
                     let files = w.finish().await?.into_files();
                     for f in &files {

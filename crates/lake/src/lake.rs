@@ -391,6 +391,16 @@ impl Lake {
         .execute(&self.control)
         .await
         .map_err(|e| LakeError::sql("create sw_snapshot_holds", e))?;
+        // What each data file with row lineage holds of each commit (see
+        // `Lake::file_statistics`), kept once read.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS sw_file_commits (catalog_name VARCHAR(255) NOT NULL, \
+             file_path VARCHAR(2000) NOT NULL, fields VARCHAR(64) NOT NULL, commits TEXT NOT NULL, \
+             PRIMARY KEY (catalog_name, file_path, fields))",
+        )
+        .execute(&self.control)
+        .await
+        .map_err(|e| LakeError::sql("create sw_file_commits", e))?;
         self.create_promotions_table().await?;
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS sw_erasures (erasure_id VARCHAR(255) PRIMARY KEY, \
@@ -990,9 +1000,18 @@ impl Lake {
         }
     }
 
-    fn open_writer(&self, table: &Table, identity: &CommitIdentity) -> Result<OpenWriter> {
+    fn open_writer(
+        &self,
+        table: &Table,
+        identity: &CommitIdentity,
+        lineage: bool,
+    ) -> Result<OpenWriter> {
         let metadata = table.metadata();
-        let schema = metadata.current_schema().clone();
+        let schema = if lineage {
+            Arc::new(crate::lineage::with_lineage(metadata.current_schema())?)
+        } else {
+            metadata.current_schema().clone()
+        };
         let spec = metadata.default_partition_spec().clone();
         let props = writer_properties(&schema)?;
         let location = DefaultLocationGenerator::new(metadata)
@@ -1039,7 +1058,7 @@ impl Lake {
         batches: &[RecordBatch],
         identity: &CommitIdentity,
     ) -> Result<Vec<DataFile>> {
-        let mut open = self.open_writer(table, identity)?;
+        let mut open = self.open_writer(table, identity, false)?;
         for batch in batches {
             open.write(batch).await?;
         }
@@ -1055,13 +1074,33 @@ impl Lake {
         table: LakeTable,
         identity: &CommitIdentity,
     ) -> Result<AppendWriter> {
+        self.writer(table, identity, false).await
+    }
+
+    /// An [`AppendWriter`] for rewritten rows, whose files keep each row's lineage (see
+    /// [`crate::lineage`]): write with [`AppendWriter::write_lineaged`].
+    pub(crate) async fn lineage_writer(
+        &self,
+        table: LakeTable,
+        identity: &CommitIdentity,
+    ) -> Result<AppendWriter> {
+        self.writer(table, identity, true).await
+    }
+
+    async fn writer(
+        &self,
+        table: LakeTable,
+        identity: &CommitIdentity,
+        lineage: bool,
+    ) -> Result<AppendWriter> {
         let t = self.table(table).await?;
-        let open = self.open_writer(&t, identity)?;
+        let open = self.open_writer(&t, identity, lineage)?;
         Ok(AppendWriter {
             table,
             identity: identity.clone(),
             open,
             rows: 0,
+            lineage,
         })
     }
 
@@ -1528,16 +1567,8 @@ impl Lake {
         to_us: i64,
     ) -> Result<ArrowRecordBatchStream> {
         let t = self.table(table).await?;
-        let ranged = crate::ranged::open(
-            t.file_io(),
-            &task,
-            table.time_column(),
-            from_us,
-            to_us,
-            8192,
-        );
         // A read that fails before its first batch is left to Iceberg's reader.
-        let failed = match ranged.await {
+        let failed = match Self::ranged(&t, table, &task, (from_us, to_us), false).await {
             Ok(Some(mut ranged)) => match ranged.next().await {
                 Some(Err(e)) => Some(e),
                 first => return Ok(stream::iter(first).chain(ranged).boxed()),
@@ -1556,6 +1587,44 @@ impl Lake {
             }
             first => Ok(stream::iter(first).chain(pages).boxed()),
         }
+    }
+
+    /// [`Lake::read_pages_in_range`] of a data file with row lineage (see
+    /// [`crate::lineage`]; a compacted file): each batch is followed by its rows'
+    /// [`LINEAGE_COLUMN`](crate::LINEAGE_COLUMN). Iceberg's reader cannot read that
+    /// column, so a file the project's reader does not take fails, classified `Internal`.
+    pub async fn read_pages_with_lineage(
+        &self,
+        table: LakeTable,
+        task: FileScanTask,
+        from_us: i64,
+        to_us: i64,
+    ) -> Result<ArrowRecordBatchStream> {
+        let t = self.table(table).await?;
+        let ranged = Self::ranged(&t, table, &task, (from_us, to_us), true)
+            .await
+            .map_err(|e| LakeError::iceberg("read a data file with row lineage", e))?;
+        ranged.ok_or_else(|| {
+            LakeError::new(
+                ErrorKind::Internal,
+                format!(
+                    "{}: a file with row lineage that cannot be read with it",
+                    task.data_file_path
+                ),
+            )
+        })
+    }
+
+    /// `ranged::open` of `task`, a data file of `table` (loaded as `t`), in `range` of
+    /// its time column.
+    async fn ranged(
+        t: &Table,
+        table: LakeTable,
+        task: &FileScanTask,
+        range: (i64, i64),
+        lineage: bool,
+    ) -> iceberg::Result<Option<ArrowRecordBatchStream>> {
+        crate::ranged::open(t.file_io(), task, table.time_column(), range, 8192, lineage).await
     }
 
     async fn read_with(
@@ -1742,6 +1811,8 @@ pub struct AppendWriter {
     identity: CommitIdentity,
     open: OpenWriter,
     rows: u64,
+    /// Its files hold each row's lineage ([`Lake::lineage_writer`]).
+    lineage: bool,
 }
 
 impl std::fmt::Debug for AppendWriter {
@@ -1757,13 +1828,35 @@ impl std::fmt::Debug for AppendWriter {
 impl AppendWriter {
     /// Encodes `batch` into the append's data files (schema checked).
     pub async fn write(&mut self, batch: &RecordBatch) -> Result<()> {
-        if batch.schema().fields() != self.table.arrow_schema().fields() {
+        if self.lineage || batch.schema().fields() != self.table.arrow_schema().fields() {
             return Err(LakeError::new(
                 ErrorKind::InvalidInput,
                 format!("batch schema does not match {}", self.table.name()),
             ));
         }
         self.open.write(batch).await?;
+        self.rows += batch.num_rows() as u64;
+        Ok(())
+    }
+
+    /// Encodes `batch` (on the table's schema) and each row's `lineage` into the files of
+    /// a [`Lake::lineage_writer`].
+    pub(crate) async fn write_lineaged(
+        &mut self,
+        batch: &RecordBatch,
+        lineage: &arrow::array::ArrayRef,
+    ) -> Result<()> {
+        if !self.lineage || batch.schema().fields() != self.table.arrow_schema().fields() {
+            return Err(LakeError::new(
+                ErrorKind::Internal,
+                format!(
+                    "batch schema does not match {} with lineage",
+                    self.table.name()
+                ),
+            ));
+        }
+        let with = crate::lineage::attach(self.table, batch, lineage)?;
+        self.open.write(&with).await?;
         self.rows += batch.num_rows() as u64;
         Ok(())
     }

@@ -27,6 +27,7 @@ mod error;
 mod lake;
 mod layout;
 mod lease;
+mod lineage;
 mod load;
 mod maintain;
 mod pinned;
@@ -52,11 +53,12 @@ pub use layout::{
     SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID,
 };
 pub use lease::lease_owner;
+pub use lineage::{LINEAGE_COLUMN, LINEAGE_FIELD_ID};
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch, rejection_batch_of};
 pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
     PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold,
 };
 pub use promote::{Promotion, authoritative, authority_epoch, serving_version};
-pub use provider::{COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};
+pub use provider::{COMMIT_ORDER, COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};
 pub use sql::{AsOf, SQL_CATALOG};

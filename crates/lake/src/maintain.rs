@@ -975,6 +975,7 @@ impl Lake {
                     }
                     report.deleted.manifest_lists += delete_all(io, lists).await;
                     report.deleted.manifests += delete_all(io, manifests).await;
+                    self.forget_file_commits(&data).await;
                     report.deleted.data_files += delete_all(io, data).await;
                     return Ok(());
                 }

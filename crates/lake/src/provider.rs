@@ -22,6 +22,7 @@ use datafusion::physical_plan::empty::EmptyExec;
 
 use crate::lake::Lake;
 use crate::layout::LakeTable;
+use crate::lineage::LINEAGE_COLUMN;
 
 /// Which snapshot a provider reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +42,10 @@ pub enum SnapshotChoice {
 /// the data file a row is stored in (the commit order of the append that wrote it, or of
 /// the compaction that rewrote it).
 pub const COMMIT_SEQUENCE_COLUMN: &str = "sw_commit_sequence";
+
+/// The SQL expression of a row's commit order in a [`LakeTableProvider::with_commit_sequence`]
+/// table: its lineage where its file keeps one, else its file's data sequence number.
+pub const COMMIT_ORDER: &str = "coalesce(_last_updated_sequence_number, sw_commit_sequence)";
 
 /// A SignalWeave table as a DataFusion table.
 #[derive(Debug, Clone)]
@@ -79,12 +84,21 @@ impl LakeTableProvider {
         }
     }
 
-    /// The same table with one more column, [`COMMIT_SEQUENCE_COLUMN`] (`Int64`, from the
-    /// manifests: a constant per data file, read from no data). An auditor orders rows by
-    /// arrival with it, as a reader tailing commits saw them.
+    /// The same table with two more columns, which order its rows by commit as a reader
+    /// tailing commits saw them ([`COMMIT_ORDER`] combines them):
+    /// - [`LINEAGE_COLUMN`] (`Int64`, null where a file has none): the sequence number
+    ///   of the commit that landed the row, in a file the project rewrote (see
+    ///   `crate::lineage`);
+    /// - [`COMMIT_SEQUENCE_COLUMN`] (`Int64`, from the manifests: a constant per data
+    ///   file, read from no data): the data sequence number of the row's file.
     pub fn with_commit_sequence(mut self) -> Self {
         let mut fields: Vec<arrow_schema::FieldRef> =
             self.schema.fields().iter().cloned().collect();
+        fields.push(Arc::new(arrow_schema::Field::new(
+            LINEAGE_COLUMN,
+            arrow_schema::DataType::Int64,
+            true,
+        )));
         fields.push(Arc::new(arrow_schema::Field::new(
             COMMIT_SEQUENCE_COLUMN,
             arrow_schema::DataType::Int64,

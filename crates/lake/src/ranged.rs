@@ -37,62 +37,39 @@ fn parquet_error(e: parquet::errors::ParquetError) -> iceberg::Error {
 }
 
 /// The rows of `task`'s file with `from_us <= time_column < to_us`, `batch_size` at a
-/// time; None when the file is not one this reader takes (see the module docs).
+/// time, followed by their lineage column when `lineage` asks for it (an error when the
+/// file has none: see [`crate::lineage`]); None when the file is not one this reader
+/// takes (see the module docs).
 pub(crate) async fn open(
     file_io: &FileIO,
     task: &FileScanTask,
     time_column: &str,
-    from_us: i64,
-    to_us: i64,
+    (from_us, to_us): (i64, i64),
     batch_size: usize,
+    lineage: bool,
 ) -> iceberg::Result<Option<ArrowRecordBatchStream>> {
-    if !task.deletes.is_empty()
-        || task.data_file_format != DataFileFormat::Parquet
-        || task.start != 0
-        || task.length < task.file_size_in_bytes
-    {
+    let Some((file, meta, mut roots)) = open_projected(file_io, task).await? else {
         return Ok(None);
+    };
+    if lineage {
+        match field_index(meta.schema(), crate::lineage::LINEAGE_FIELD_ID) {
+            Some(i) if meta.schema().field(i).data_type() == &DataType::Int64 => roots.push(i),
+            _ => {
+                return Err(iceberg::Error::new(
+                    iceberg::ErrorKind::DataInvalid,
+                    format!("{}: no row lineage column", task.data_file_path),
+                ));
+            }
+        }
     }
-    let reader = file_io.new_input(&task.data_file_path)?.reader().await?;
-    let mut file = ArrowFileReader::new(
-        FileMetadata {
-            size: task.file_size_in_bytes,
-        },
-        reader,
-    );
-    let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
-    let meta = ArrowReaderMetadata::load_async(&mut file, options.clone())
-        .await
-        .map_err(parquet_error)?;
-    let expected = schema_to_arrow_schema(&task.schema)?;
     let file_schema = meta.schema();
     let metadata = meta.metadata();
-    // Flat files only: a field's index is its leaf column's.
-    if metadata.file_metadata().schema_descr().num_columns() != file_schema.fields().len() {
-        return Ok(None);
-    }
-    let mut roots = Vec::new();
-    for id in &task.project_field_ids {
-        let Some(field) = task.schema.field_by_id(*id) else {
-            return Ok(None);
-        };
-        let found = file_schema.fields().iter().position(|f| {
-            f.metadata()
-                .get(PARQUET_FIELD_ID_META_KEY)
-                .is_some_and(|v| v.parse::<i32>().ok() == Some(*id))
-        });
-        let Some(i) = found else { return Ok(None) };
-        let want = expected.field_with_name(&field.name).ok();
-        let got = &file_schema.fields()[i];
-        if got.name() != &field.name || want.is_none_or(|w| w.data_type() != got.data_type()) {
-            return Ok(None);
-        }
-        roots.push(i);
-    }
-    let Some(time_ix) = roots
+    let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
+    // The filter reads the time column, projected or not.
+    let Some(time_ix) = file_schema
+        .fields()
         .iter()
-        .copied()
-        .find(|&i| file_schema.field(i).name() == time_column)
+        .position(|f| f.name() == time_column)
     else {
         return Ok(None);
     };
@@ -143,6 +120,114 @@ pub(crate) async fn open(
     }
     let stream = builder.build().map_err(parquet_error)?;
     Ok(Some(stream.map_err(parquet_error).boxed()))
+}
+
+/// Opens `task`'s file and finds its projected columns by field id, with the names and
+/// types the table's schema gives them: the file, its metadata and those columns' roots.
+/// None when the file is not one this module reads (see the module docs).
+async fn open_projected(
+    file_io: &FileIO,
+    task: &FileScanTask,
+) -> iceberg::Result<Option<(ArrowFileReader, ArrowReaderMetadata, Vec<usize>)>> {
+    if !task.deletes.is_empty()
+        || task.data_file_format != DataFileFormat::Parquet
+        || task.start != 0
+        || task.length < task.file_size_in_bytes
+    {
+        return Ok(None);
+    }
+    let reader = file_io.new_input(&task.data_file_path)?.reader().await?;
+    let mut file = ArrowFileReader::new(
+        FileMetadata {
+            size: task.file_size_in_bytes,
+        },
+        reader,
+    );
+    let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
+    let meta = ArrowReaderMetadata::load_async(&mut file, options)
+        .await
+        .map_err(parquet_error)?;
+    let expected = schema_to_arrow_schema(&task.schema)?;
+    let file_schema = meta.schema();
+    let metadata = meta.metadata();
+    // Flat files only: a field's index is its leaf column's.
+    if metadata.file_metadata().schema_descr().num_columns() != file_schema.fields().len() {
+        return Ok(None);
+    }
+    let mut roots = Vec::new();
+    for id in &task.project_field_ids {
+        let Some(field) = task.schema.field_by_id(*id) else {
+            return Ok(None);
+        };
+        let Some(i) = field_index(file_schema, *id) else {
+            return Ok(None);
+        };
+        let want = expected.field_with_name(&field.name).ok();
+        let got = &file_schema.fields()[i];
+        if got.name() != &field.name || want.is_none_or(|w| w.data_type() != got.data_type()) {
+            return Ok(None);
+        }
+        roots.push(i);
+    }
+    Ok(Some((file, meta, roots)))
+}
+
+/// The index of the field of `schema` with Parquet field id `id`.
+fn field_index(schema: &Schema, id: i32) -> Option<usize> {
+    schema.fields().iter().position(|f| {
+        f.metadata()
+            .get(PARQUET_FIELD_ID_META_KEY)
+            .is_some_and(|v| v.parse::<i32>().ok() == Some(id))
+    })
+}
+
+/// Every row of `task`'s file, its projected columns on the table's types, followed by
+/// the file's row lineage column ([`crate::lineage`]) when it has one (the flag says
+/// whether it does); `batch_size` rows at a time. None when the file is not one this
+/// module reads (see the module docs).
+pub(crate) async fn open_whole(
+    file_io: &FileIO,
+    task: &FileScanTask,
+    batch_size: usize,
+) -> iceberg::Result<Option<(ArrowRecordBatchStream, bool)>> {
+    let Some((file, meta, mut roots)) = open_projected(file_io, task).await? else {
+        return Ok(None);
+    };
+    let lineage = field_index(meta.schema(), crate::lineage::LINEAGE_FIELD_ID);
+    if let Some(i) = lineage {
+        if meta.schema().field(i).data_type() != &DataType::Int64 {
+            return Err(iceberg::Error::new(
+                iceberg::ErrorKind::DataInvalid,
+                format!(
+                    "{}: its row lineage column is not a 64-bit integer",
+                    task.data_file_path
+                ),
+            ));
+        }
+        roots.push(i);
+    }
+    let descr = meta.metadata().file_metadata().schema_descr_ptr();
+    // Parquet returns the columns in the file's order; they are handed on in the order
+    // asked for.
+    let mut in_file = roots.clone();
+    in_file.sort_unstable();
+    in_file.dedup();
+    let order: Vec<usize> = roots
+        .iter()
+        .map(|r| in_file.partition_point(|x| x < r))
+        .collect();
+    let stream = ParquetRecordBatchStreamBuilder::new_with_metadata(file, meta)
+        .with_projection(ProjectionMask::roots(&descr, roots.iter().copied()))
+        .with_batch_size(batch_size)
+        .build()
+        .map_err(parquet_error)?;
+    let stream = stream.map_err(parquet_error).and_then(move |b| {
+        std::future::ready(b.project(&order).map_err(|e| {
+            iceberg::Error::new(iceberg::ErrorKind::Unexpected, "reorder columns read")
+                .with_source(e)
+        }))
+    });
+    Ok(Some((stream.boxed(), lineage.is_some())))
 }
 
 /// Whether every data page of column `i`, in every row group, is dictionary-encoded.

@@ -2194,10 +2194,16 @@ impl Running {
             figures.bytes_read += bytes;
             bytes_counter.inc_by(bytes);
             let opened = Instant::now();
-            let mut stream = self
-                .lake
-                .read_pages_in_range(LakeTable::Events, task, planned.0, planned.1)
-                .await?;
+            // A compacted file's records carry their own commits, read with them.
+            let mut stream = if arrivals.has_lineage(&path) {
+                self.lake
+                    .read_pages_with_lineage(LakeTable::Events, task, planned.0, planned.1)
+                    .await?
+            } else {
+                self.lake
+                    .read_pages_in_range(LakeTable::Events, task, planned.0, planned.1)
+                    .await?
+            };
             stages.add(Stage::Read, opened);
             loop {
                 let reading = Instant::now();
@@ -2513,10 +2519,40 @@ fn with_arrival_watermark(
         ));
     }
     let mut cursor = arrivals.cursor();
+    // Records of a file with row lineage (a compacted file) arrived in their own
+    // commits, which the batch's lineage column holds; it goes no further.
+    let Some(at) = batch
+        .schema()
+        .index_of(signalweave_lake::LINEAGE_COLUMN)
+        .ok()
+    else {
+        let wm = arrow::array::Int64Array::from_iter_values(
+            arrival.values().iter().map(|&a| cursor.at(a, sequence)),
+        );
+        return with_column(batch, ROW_WATERMARK, Arc::new(wm));
+    };
+    let lineage = arrow::array::AsArray::as_primitive_opt::<arrow::datatypes::Int64Type>(
+        batch.column(at).as_ref(),
+    )
+    .filter(|l| l.null_count() == 0)
+    .ok_or_else(|| {
+        RunnerError::new(
+            ErrorKind::Internal,
+            "events read with their lineage lack it for some rows",
+        )
+    })?;
     let wm = arrow::array::Int64Array::from_iter_values(
-        arrival.values().iter().map(|&a| cursor.at(a, sequence)),
+        arrival
+            .values()
+            .iter()
+            .zip(lineage.values())
+            .map(|(&a, &s)| cursor.at(a, s)),
     );
-    with_column(batch, ROW_WATERMARK, Arc::new(wm))
+    let others: Vec<usize> = (0..batch.num_columns()).filter(|&i| i != at).collect();
+    let batch = batch
+        .project(&others)
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("drop lineage: {e}")))?;
+    with_column(&batch, ROW_WATERMARK, Arc::new(wm))
 }
 
 /// Whether a record of key group `group` (None: a null key) belongs to `sub`. A record
@@ -2615,6 +2651,7 @@ mod tests {
         // Two files, the second arriving at 20 after the first (events up to 1,000).
         let file = |path: &str, first, last, sequence, last_event| ArrivedFile {
             path: path.into(),
+            lineage: false,
             first_ingest: Some(first),
             last_ingest: last,
             sequence,
