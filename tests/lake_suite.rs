@@ -734,11 +734,13 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             .plan_time_range(LakeTable::Events, i64::MIN, i64::MAX, None)
             .await
             .unwrap();
+        let mut checked = 0;
         for task in full
             .tasks
             .into_iter()
             .filter(|t| t.record_count == Some(600))
         {
+            checked += 1;
             // A day's six commits, in commit order, each commit's rows as it landed
             // them: a run of the events as they were appended.
             let got = lake.read_all(LakeTable::Events, vec![task]).await.unwrap();
@@ -758,6 +760,7 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
                 b.name
             );
         }
+        assert_eq!(checked, 3, "{}: compacted files", b.name);
         // Once the snapshots that referenced them expire, the replaced files are deleted.
         let r = lake
             .maintain(

@@ -357,7 +357,7 @@ impl Lake {
     /// (`sw_file_commits`, by path: a data file never changes), so a plan reads a row
     /// per compacted file, not its data. A database without the table (a lake not
     /// initialised by this version) is read from the data every time.
-    async fn commits_of(
+    pub(crate) async fn commits_of(
         &self,
         base: &iceberg::table::Table,
         file: &DataFile,

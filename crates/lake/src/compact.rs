@@ -366,31 +366,44 @@ fn partition_day(file: &DataFile) -> Option<i32> {
     })
 }
 
-/// The bins of `files` (each with its sequence number and size) that a compaction
-/// merges, oldest first: runs of consecutive commits of about `target` bytes, never across
-/// a commit of `between` (a file left as it is), so a reader of the partition's files in
-/// commit order reads every commit in order. A run of one file stays as it is.
-fn runs<T>(mut files: Vec<(T, i64, u64)>, between: &[i64], target: u64) -> Vec<Vec<(T, i64)>> {
-    files.sort_by_key(|f| f.1);
+/// A small file a compaction may merge.
+struct Planned<T> {
+    file: T,
+    /// The lowest and highest commit its rows came from (see [`Lake::commits_in`]).
+    commits: (i64, i64),
+    size: u64,
+}
+
+/// The bins of `files` that a compaction merges, oldest first: runs of consecutive
+/// commits of about `target` bytes, never across a commit of a file left as it is
+/// (`between`, each file's lowest and highest commit), so a reader of the partition's
+/// files in commit order reads every commit in order. A run of one file stays as it is.
+fn runs<T>(mut files: Vec<Planned<T>>, between: &[(i64, i64)], target: u64) -> Vec<Vec<T>> {
+    files.sort_by_key(|f| f.commits);
     let mut bins = Vec::new();
-    let mut bin: Vec<(T, i64)> = Vec::new();
+    let mut bin: Vec<T> = Vec::new();
+    // The highest commit in the bin.
+    let mut newest = i64::MIN;
     let mut bytes = 0u64;
-    let close = |bin: &mut Vec<(T, i64)>, bins: &mut Vec<Vec<(T, i64)>>| {
+    let close = |bin: &mut Vec<T>, bins: &mut Vec<Vec<T>>| {
         if bin.len() >= 2 {
             bins.push(std::mem::take(bin));
         }
         bin.clear();
     };
-    for (f, seq, size) in files {
-        let across = bin
-            .last()
-            .is_some_and(|(_, last)| between.iter().any(|s| s > last && *s < seq));
+    for f in files {
+        let (first, last) = f.commits;
+        let across = !bin.is_empty() && between.iter().any(|&(lo, hi)| hi > newest && lo < first);
         if across {
             close(&mut bin, &mut bins);
             bytes = 0;
         }
-        bytes += size;
-        bin.push((f, seq));
+        if bin.is_empty() {
+            newest = i64::MIN;
+        }
+        newest = newest.max(last);
+        bytes += f.size;
+        bin.push(f.file);
         if bytes >= target {
             close(&mut bin, &mut bins);
             bytes = 0;
@@ -417,8 +430,8 @@ impl Lake {
         // Each small file with its data sequence number, the lineage of its rows that
         // hold none of their own (see `crate::lineage`).
         let mut by_day: HashMap<Option<i32>, Vec<(DataFile, i64)>> = HashMap::new();
-        // The sequence numbers of the files left as they are, by partition.
-        let mut kept: HashMap<Option<i32>, Vec<i64>> = HashMap::new();
+        // The commits of the files left as they are, by partition.
+        let mut kept: HashMap<Option<i32>, Vec<(i64, i64)>> = HashMap::new();
         for manifest in &loaded {
             for e in manifest.entries().iter().filter(|e| e.is_alive()) {
                 let f = e.data_file();
@@ -439,7 +452,8 @@ impl Lake {
                     )
                 })?;
                 if f.file_size_in_bytes() >= policy.small_file_bytes {
-                    kept.entry(day).or_default().push(sequence);
+                    let commits = self.commits_in(&base, table, f, sequence).await?;
+                    kept.entry(day).or_default().push(commits);
                 } else {
                     by_day.entry(day).or_default().push((f.clone(), sequence));
                 }
@@ -451,16 +465,20 @@ impl Lake {
             if files.len() < policy.min_input_files.max(2) {
                 continue;
             }
-            report.partitions += 1;
             let between = kept.remove(&day).unwrap_or_default();
-            let sized = files
-                .into_iter()
-                .map(|(f, seq)| {
-                    let size = f.file_size_in_bytes();
-                    (f, seq, size)
-                })
-                .collect();
-            bins.extend(runs(sized, &between, policy.target_file_bytes));
+            let mut planned = Vec::new();
+            for (f, seq) in files {
+                let commits = self.commits_in(&base, table, &f, seq).await?;
+                let size = f.file_size_in_bytes();
+                planned.push(Planned {
+                    file: (f, seq),
+                    commits,
+                    size,
+                });
+            }
+            let found = runs(planned, &between, policy.target_file_bytes);
+            report.partitions += usize::from(!found.is_empty());
+            bins.extend(found);
         }
         if bins.is_empty() {
             return Ok(report);
@@ -550,6 +568,36 @@ impl Lake {
     /// row's lineage: the events table's in commit order, each commit's rows in the order
     /// it landed them, so the file replays its commits as a reader tailing them read
     /// them; another table's sorted by its time column.
+    /// The lowest and highest commit whose rows the data file `file` (of `table`, loaded
+    /// as `base`; data sequence number `sequence`) holds: its own, or, for a file of
+    /// events with row lineage, those its lineage spans (see `Lake::file_statistics`).
+    /// Only the events table's order of commits matters to its readers.
+    async fn commits_in(
+        &self,
+        base: &Table,
+        table: LakeTable,
+        file: &DataFile,
+        sequence: i64,
+    ) -> Result<(i64, i64)> {
+        if table != LakeTable::Events || !crate::lineage::has_lineage(file) {
+            return Ok((sequence, sequence));
+        }
+        let schema = base.metadata().current_schema();
+        let id = |name: &str| {
+            schema.field_by_name(name).map(|f| f.id).ok_or_else(|| {
+                LakeError::new(ErrorKind::Config, format!("events has no column {name}"))
+            })
+        };
+        let commits = self
+            .commits_of(base, file, id("event_time")?, id("ingest_time")?)
+            .await?;
+        Ok(commits
+            .iter()
+            .map(|c| (c.sequence, c.sequence))
+            .reduce(|(lo, hi), (a, b)| (lo.min(a), hi.max(b)))
+            .unwrap_or((sequence, sequence)))
+    }
+
     async fn read_sorted(
         &self,
         base: &Table,
@@ -866,43 +914,58 @@ impl Lake {
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::{Planned, runs};
 
-    fn names<T: Copy>(bins: &[Vec<(T, i64)>]) -> Vec<Vec<T>> {
-        bins.iter()
-            .map(|b| b.iter().map(|(f, _)| *f).collect())
+    fn plan(files: &[(&'static str, (i64, i64), u64)]) -> Vec<Planned<&'static str>> {
+        files
+            .iter()
+            .map(|&(file, commits, size)| Planned {
+                file,
+                commits,
+                size,
+            })
             .collect()
     }
 
     #[test]
     fn bins_are_runs_of_consecutive_commits_of_about_the_target_size() {
-        // Out of order by name and sequence: binned by sequence.
-        let files = vec![
-            ("d", 4, 40),
-            ("a", 1, 40),
-            ("c", 3, 40),
-            ("b", 2, 40),
-            ("e", 5, 40),
-        ];
-        assert_eq!(
-            names(&runs(files, &[], 100)),
-            [vec!["a", "b", "c"], vec!["d", "e"]]
-        );
+        // Out of order by name and commit: binned by commit.
+        let files = plan(&[
+            ("d", (4, 4), 40),
+            ("a", (1, 1), 40),
+            ("c", (3, 3), 40),
+            ("b", (2, 2), 40),
+            ("e", (5, 5), 40),
+        ]);
+        assert_eq!(runs(files, &[], 100), [vec!["a", "b", "c"], vec!["d", "e"]]);
     }
 
     #[test]
     fn no_bin_spans_a_commit_left_as_it_is() {
-        let files = vec![
-            ("a", 1, 10),
-            ("b", 2, 10),
-            ("c", 4, 10),
-            ("d", 5, 10),
-            ("e", 7, 10),
-        ];
+        let files = plan(&[
+            ("a", (1, 1), 10),
+            ("b", (2, 2), 10),
+            ("c", (4, 4), 10),
+            ("d", (5, 5), 10),
+            ("e", (7, 7), 10),
+        ]);
         // Commits 3 and 6 are large files: a, b | c, d | e (alone, left as it is).
         assert_eq!(
-            names(&runs(files, &[3, 6], 100)),
+            runs(files, &[(3, 3), (6, 6)], 100),
             [vec!["a", "b"], vec!["c", "d"]]
         );
+    }
+
+    #[test]
+    fn compacted_files_are_placed_by_the_commits_they_hold() {
+        // "ab" and "ce" were compacted before (commits 1-6 and 11-19, their files' own
+        // sequence numbers far later); commit 10 is a large file left as it is, and
+        // commit 8 a small one.
+        let files = plan(&[("ce", (11, 19), 10), ("ab", (1, 6), 10), ("x", (8, 8), 10)]);
+        assert_eq!(runs(files, &[(10, 10)], 100), [vec!["ab", "x"]]);
+        // A large compacted file whose commits interleave with two small ones keeps them
+        // apart.
+        let files = plan(&[("p", (5, 5), 10), ("q", (7, 7), 10)]);
+        assert!(runs(files, &[(1, 9)], 100).is_empty());
     }
 }

@@ -65,11 +65,13 @@ pub(crate) async fn open(
     let file_schema = meta.schema();
     let metadata = meta.metadata();
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
-    // The filter reads the time column, projected or not.
-    let Some(time_ix) = file_schema
-        .fields()
-        .iter()
-        .position(|f| f.name() == time_column)
+    // The filter reads the time column, projected or not: the table's field of that
+    // name, found by its id.
+    let Some(time_ix) = task
+        .schema
+        .field_by_name(time_column)
+        .and_then(|f| field_index(file_schema, f.id))
+        .filter(|&i| file_schema.field(i).name() == time_column)
     else {
         return Ok(None);
     };
