@@ -59,7 +59,11 @@ fn three_days() -> Vec<Event> {
 }
 
 async fn count(lake: &Lake, sql: &str) -> i64 {
-    let ctx = lake.session_context().await.unwrap();
+    count_in(&lake.session_context().await.unwrap(), sql).await
+}
+
+/// The first value of `sql`'s answer in `ctx`: a count.
+async fn count_in(ctx: &datafusion::prelude::SessionContext, sql: &str) -> i64 {
     let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
     batches[0].column(0).as_primitive::<Int64Type>().value(0)
 }
@@ -690,13 +694,7 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
              where n = 100",
             signalweave_lake::COMMIT_ORDER
         );
-        let out = ctx.sql(&by_commit).await.unwrap().collect().await.unwrap();
-        assert_eq!(
-            out[0].column(0).as_primitive::<Int64Type>().value(0),
-            22,
-            "{}",
-            b.name
-        );
+        assert_eq!(count_in(&ctx, &by_commit).await, 22, "{}", b.name);
         // A backfill's arrival watermarks step once per commit, the compacted ones too,
         // read from the compacted files' data once, then from what the catalog database
         // keeps of them.
@@ -805,9 +803,8 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             "select count(distinct {}) from ordered",
             signalweave_lake::COMMIT_ORDER
         );
-        let out = ctx.sql(&commits).await.unwrap().collect().await.unwrap();
         assert_eq!(
-            out[0].column(0).as_primitive::<Int64Type>().value(0),
+            count_in(&ctx, &commits).await,
             22,
             "{}: commits after an erasure",
             b.name

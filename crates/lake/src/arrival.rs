@@ -21,13 +21,12 @@
 //! its statistics bound the rows kept, so where an erased row held its largest event or
 //! ingest time, its step moves.
 
-use iceberg::scan::FileScanTask;
-use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};
-use signalweave_model::ErrorKind;
-
 use arrow::array::{Array, AsArray};
 use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
 use futures::TryStreamExt;
+use iceberg::scan::FileScanTask;
+use iceberg::spec::{DataContentType, DataFile, PrimitiveLiteral};
+use signalweave_model::ErrorKind;
 
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
@@ -298,16 +297,11 @@ impl Lake {
             .into_iter()
             .chain(null_free.iter().copied())
             .collect();
-        let (files, ids) = self.live_data_files(table, snapshot_id, &columns).await?;
+        let (files, ids, base) = self.live_data_files(table, snapshot_id, &columns).await?;
         let (event_id, arrival_id) = (ids[0], ids[1]);
         let mut arrivals = Vec::new();
-        let mut base = None;
         for (f, _) in files.iter().filter(|(f, _)| has_lineage(f)) {
-            let base = match &base {
-                Some(b) => b,
-                None => base.insert(self.table(table).await?),
-            };
-            arrivals.extend(self.commits_of(base, f, event_id, arrival_id).await?);
+            arrivals.extend(self.commits_of(&base, f, event_id, arrival_id).await?);
         }
         let arrivals = arrivals
             .into_iter()
@@ -506,13 +500,14 @@ impl Lake {
     }
 
     /// The live data files of `table` as of `snapshot_id` (None: current; none for an
-    /// empty table) with their sequence numbers, and the field id of each of `columns`.
+    /// empty table) with their sequence numbers, the field id of each of `columns`, and
+    /// the table as loaded to find them.
     async fn live_data_files(
         &self,
         table: LakeTable,
         snapshot_id: Option<i64>,
         columns: &[&str],
-    ) -> Result<(Vec<(DataFile, i64)>, Vec<i32>)> {
+    ) -> Result<(Vec<(DataFile, i64)>, Vec<i32>, iceberg::table::Table)> {
         let base = self.table(table).await?;
         let md = base.metadata();
         let schema = md.current_schema();
@@ -536,7 +531,7 @@ impl Lake {
             })?,
             None => match md.current_snapshot() {
                 Some(s) => s.clone(),
-                None => return Ok((Vec::new(), ids)),
+                None => return Ok((Vec::new(), ids, base)),
             },
         };
         let files = data_manifests(&base, &snapshot)
@@ -546,7 +541,7 @@ impl Lake {
             .filter(|e| e.data_file().content_type() == DataContentType::Data)
             .map(|e| (e.data_file().clone(), e.sequence_number().unwrap_or(0)))
             .collect();
-        Ok((files, ids))
+        Ok((files, ids, base))
     }
 }
 
