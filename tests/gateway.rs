@@ -824,6 +824,49 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
     }
 }
 
+/// A request a producer's quota refuses gives its tenant's tokens back: one producer's
+/// refused retries do not spend the quota its tenant's other producers are owed. (Before,
+/// the tenant paid for each request before its producers were known, and kept the
+/// tokens.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_producers_quota_refuses_gives_the_tenants_tokens_back() {
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.tenants[0].records_per_sec = 50;
+    config.tenants[0].producer_records_per_sec = 10;
+    let gw = start(config, &backend.config).await;
+    let batch = |n: usize, id: &str, producer: &str| -> Vec<Value> {
+        (0..n)
+            .map(|i| event(&format!("{id}-{i}"), "tenant-0", producer))
+            .collect()
+    };
+    let started = Instant::now();
+    let a = post(&gw.url, T0, &batch(10, "greedy", "p-1")).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    // Its producer's bucket is empty for a second: each retry is refused by it. Each
+    // would have cost the tenant 10 of its 40 tokens left.
+    for r in 0..4 {
+        let a = post(&gw.url, T0, &batch(10, &format!("retry-{r}"), "p-1")).await;
+        assert_eq!(a.status, 429, "{}", a.body);
+        assert_eq!(a.body["error"]["reason"], "quota_exceeded");
+        let detail = a.body["error"]["detail"].as_str().unwrap();
+        assert!(detail.contains("producer_records"), "{detail}");
+        assert!(a.headers.contains_key("retry-after"));
+    }
+    // The tenant's other producers still have its 40 tokens (and what refilled).
+    let calm: Vec<Value> = (0..4)
+        .flat_map(|p| batch(10, &format!("calm-{p}"), &format!("p-calm-{p}")))
+        .collect();
+    let a = post(&gw.url, T0, &calm).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(800),
+        "too slow to tell: the tenant's bucket refilled 40 tokens meanwhile"
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    gw.stop().await;
+    assert_eq!(landed(&backend.config).await.len(), 50);
+}
+
 /// A configuration whose queue (64 KiB, all of it the one tenant's) holds one request of
 /// [`queue_batch`] until its commit, 1.5 s later.
 fn small_queue_config() -> GatewayConfig {

@@ -812,15 +812,18 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     // The tenant's buckets pay for what the request carries, before any parsing work.
     let records = u32::try_from(events.len()).unwrap_or(u32::MAX);
     let bytes = u32::try_from(decoded.len()).unwrap_or(u32::MAX);
-    if let Err(q) = st.quotas.check(grant.tenant_index, records, bytes, &[]) {
-        return Err(quota_refusal(
-            st,
-            &grant,
-            &decoded,
-            q,
-            &format!("tenant `{}`", grant.tenant),
-        ));
-    }
+    let tenant_paid = match st.quotas.check(grant.tenant_index, records, bytes, &[]) {
+        Ok(paid) => paid,
+        Err(q) => {
+            return Err(quota_refusal(
+                st,
+                &grant,
+                &decoded,
+                q,
+                &format!("tenant `{}`", grant.tenant),
+            ));
+        }
+    };
 
     let now = now_us();
     let ingest_time = now;
@@ -858,7 +861,11 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         *per_producer.entry(e.producer_id.as_str()).or_default() += 1;
     }
     let per_producer: Vec<(&str, u32)> = per_producer.into_iter().collect();
+    // A producer's quota refuses the request, or takes from every producer of it. Refused,
+    // the request gives the tenant's tokens back: one producer's retries must not spend
+    // what its tenant's other producers are owed.
     if let Err(q) = st.quotas.check(grant.tenant_index, 0, 0, &per_producer) {
+        st.quotas.give_back(tenant_paid);
         return Err(quota_refusal(
             st,
             &grant,
