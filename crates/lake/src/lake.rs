@@ -1945,10 +1945,11 @@ pub fn project_without(task: &mut FileScanTask, names: &[String]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn events(n: u64) -> RecordBatch {
+    /// `n` generated events, as one batch.
+    pub(crate) fn events(n: u64) -> RecordBatch {
         let mut b = signalweave_model::EventBatchBuilder::with_capacity(n as usize);
         let spec = signalweave_fixtures::WorkloadSpec {
             events: n,

@@ -186,6 +186,24 @@ pub(crate) fn fresh_snapshot_id(md: &TableMetadata) -> i64 {
     }
 }
 
+/// The sequence number of the oldest snapshot of `md` among `held`: a hold keeps its
+/// snapshot and every later one (a tail reading from it walks the chain appended since).
+fn oldest_held(md: &TableMetadata, held: &HashSet<i64>) -> Option<i64> {
+    md.snapshots()
+        .filter(|s| held.contains(&s.snapshot_id()))
+        .map(|s| s.sequence_number())
+        .min()
+}
+
+/// A snapshot of `removed` that the holds `held` keep, if there is one.
+fn held_among(md: &TableMetadata, held: &HashSet<i64>, removed: &HashSet<i64>) -> Option<i64> {
+    let oldest = oldest_held(md, held)?;
+    md.snapshots()
+        .filter(|s| removed.contains(&s.snapshot_id()) && s.sequence_number() >= oldest)
+        .map(|s| s.snapshot_id())
+        .next()
+}
+
 /// Whether a manifest entry is a data file the snapshot that lists it holds.
 pub(crate) fn live_data(e: &iceberg::spec::ManifestEntry) -> bool {
     e.is_alive() && e.data_file().content_type() == DataContentType::Data
@@ -311,11 +329,21 @@ impl Lake {
     /// Makes `new_md` the current metadata of `table` if `base` is still current: writes
     /// the next metadata file, then compare-and-sets the catalog row. `Conflict` when
     /// another writer committed first (the written file is removed again).
+    ///
+    /// An expiry passes the snapshots it removes as `expiring`. The holds are then read
+    /// again in the transaction that moves the pointer, with new holds shut out until it
+    /// ends (PostgreSQL: a `SHARE` lock on `sw_snapshot_holds`; SQLite: the write lock the
+    /// update takes), and a hold taken meanwhile on a snapshot the commit would remove
+    /// (or on one before it: a hold keeps every later snapshot) is a `Conflict`. A holder
+    /// that checks its snapshot after its hold is written is then never left holding one
+    /// that is gone: either the expiry saw the hold, or the hold was written after the
+    /// expiry's commit, and the holder's check sees the snapshot gone.
     pub(crate) async fn commit_metadata(
         &self,
         table: LakeTable,
         base: &Table,
         new_md: TableMetadata,
+        expiring: Option<&HashSet<i64>>,
     ) -> Result<()> {
         let base_loc = base.metadata_location().ok_or_else(|| {
             LakeError::new(ErrorKind::Internal, "the table has no metadata location")
@@ -338,6 +366,18 @@ impl Lake {
              WHERE catalog_name = $3 AND table_name = $4 AND table_namespace = $5 \
              AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL) AND metadata_location = $6"
         };
+        let sql_error = |what: &'static str| move |e| LakeError::sql(what, e);
+        let mut tx = self
+            .control_pool()
+            .begin()
+            .await
+            .map_err(sql_error("begin the metadata commit"))?;
+        if expiring.is_some() && !self.config().is_sqlite() {
+            sqlx::query("LOCK TABLE sw_snapshot_holds IN SHARE MODE")
+                .execute(&mut *tx)
+                .await
+                .map_err(sql_error("shut out new snapshot holds"))?;
+        }
         let swapped = sqlx::query(sql)
             .bind(new_loc_s.as_str())
             .bind(base_loc)
@@ -345,20 +385,42 @@ impl Lake {
             .bind(table.name())
             .bind(NAMESPACE)
             .bind(base_loc)
-            .execute(self.control_pool())
+            .execute(&mut *tx)
             .await
-            .map_err(|e| LakeError::sql("swap the table's metadata pointer", e))?
+            .map_err(sql_error("swap the table's metadata pointer"))?
             .rows_affected();
-        if swapped == 0 {
-            let _ = base.file_io().delete(&new_loc_s).await;
-            return Err(LakeError::new(
-                ErrorKind::Conflict,
+        let refused = if swapped == 0 {
+            Some(format!(
+                "{} changed while maintenance prepared its commit",
+                table.name()
+            ))
+        } else if let Some(removed) = expiring {
+            let held: HashSet<i64> = sqlx::query_as::<_, (i64,)>(self.holds_sql())
+                .bind(self.config().catalog_name.as_str())
+                .bind(table.name())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(sql_error("read snapshot holds"))?
+                .into_iter()
+                .map(|(id,)| id)
+                .collect();
+            held_among(base.metadata(), &held, removed).map(|id| {
                 format!(
-                    "{} changed while maintenance prepared its commit",
+                    "{}: snapshot {id} was held while expiry prepared a commit that removes it",
                     table.name()
-                ),
-            ));
+                )
+            })
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            let _ = tx.rollback().await;
+            let _ = base.file_io().delete(&new_loc_s).await;
+            return Err(LakeError::new(ErrorKind::Conflict, why));
         }
+        tx.commit()
+            .await
+            .map_err(sql_error("commit the metadata pointer"))?;
         Ok(())
     }
 
@@ -499,7 +561,7 @@ impl Lake {
                 .build()
                 .map_err(ice("build table metadata"))?
                 .metadata;
-            match self.commit_metadata(table, &base, new_md).await {
+            match self.commit_metadata(table, &base, new_md, None).await {
                 Ok(()) => {
                     report.merge_snapshot = Some(p.snapshot_id);
                     report.manifests_after = after;
@@ -632,18 +694,51 @@ impl Lake {
 
     /// Snapshots held in `sw_snapshot_holds` for `table`.
     pub async fn held_snapshots(&self, table: LakeTable) -> Result<HashSet<i64>> {
-        let sql = if self.config().is_sqlite() {
-            "SELECT snapshot_id FROM sw_snapshot_holds WHERE catalog_name = ? AND table_name = ?"
-        } else {
-            "SELECT snapshot_id FROM sw_snapshot_holds WHERE catalog_name = $1 AND table_name = $2"
-        };
-        let rows: Vec<(i64,)> = sqlx::query_as(sql)
+        let rows: Vec<(i64,)> = sqlx::query_as(self.holds_sql())
             .bind(self.config().catalog_name.as_str())
             .bind(table.name())
             .fetch_all(self.control_pool())
             .await
             .map_err(|e| LakeError::sql("read snapshot holds", e))?;
         Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
+    fn holds_sql(&self) -> &'static str {
+        if self.config().is_sqlite() {
+            "SELECT snapshot_id FROM sw_snapshot_holds WHERE catalog_name = ? AND table_name = ?"
+        } else {
+            "SELECT snapshot_id FROM sw_snapshot_holds WHERE catalog_name = $1 AND table_name = $2"
+        }
+    }
+
+    /// [`Self::hold_snapshot`], then checks the snapshot is still in the table: a
+    /// `Conflict` when an expiry removed it first. A holder's first hold needs the check
+    /// (moving a hold forward does not: the earlier hold kept the later snapshot). An
+    /// expiry reads the holds again as it commits, so once this returns `Ok` the snapshot
+    /// stays until released.
+    pub async fn hold_present_snapshot(
+        &self,
+        table: LakeTable,
+        holder: &str,
+        snapshot_id: i64,
+    ) -> Result<()> {
+        self.hold_snapshot(table, holder, snapshot_id).await?;
+        if self
+            .table(table)
+            .await?
+            .metadata()
+            .snapshot_by_id(snapshot_id)
+            .is_none()
+        {
+            return Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{}: snapshot {snapshot_id} was expired before {holder} held it; try again",
+                    table.name()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Holds `snapshot_id` of `table` for `holder` (a checkpoint or backfill), replacing
@@ -907,11 +1002,7 @@ impl Lake {
             all.sort_by_key(|s| std::cmp::Reverse((s.sequence_number(), s.timestamp_ms())));
             // A held position keeps itself and every later snapshot: a tail reading
             // from it walks the chain of snapshots appended since.
-            let oldest_held = all
-                .iter()
-                .filter(|s| held.contains(&s.snapshot_id()))
-                .map(|s| s.sequence_number())
-                .min();
+            let oldest_held = oldest_held(md, &held);
             let keep_from = keep_from
                 .and_then(|id| md.snapshot_by_id(id))
                 .map(|s| s.sequence_number());
@@ -955,7 +1046,8 @@ impl Lake {
                     .map(|s| s.as_ref()),
             )
             .await?;
-            match self.commit_metadata(table, &base, new_md).await {
+            let expiring = (!override_holds).then_some(&removed);
+            match self.commit_metadata(table, &base, new_md, expiring).await {
                 Ok(()) => {
                     report.snapshots_expired += remove.len();
                     // What only the removed snapshots referenced is garbage now.
@@ -1196,4 +1288,78 @@ async fn delete_all(io: &iceberg::io::FileIO, paths: Vec<String>) -> usize {
         .filter(|ok| futures::future::ready(*ok))
         .count()
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::LakeConfig;
+    use crate::lake::CommitIdentity;
+    use crate::lake::tests::events;
+
+    /// An expiry's commit reads the holds again in its own transaction: a hold taken
+    /// after the expiry chose what to remove, on a removed snapshot or on one before it
+    /// (a hold keeps every later snapshot), refuses the commit; a hold after them does
+    /// not. (Before, expiry read the holds once, then committed: a holder that wrote its
+    /// hold and checked its snapshot in between kept a snapshot that was then removed.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_expiry_commit_refuses_what_a_hold_taken_meanwhile_keeps() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        let data = events(40);
+        for i in 0..4 {
+            lake.append(
+                LakeTable::Events,
+                &[data.slice(i * 10, 10)],
+                &CommitIdentity::new("held", i as u64),
+            )
+            .await
+            .expect("append");
+        }
+        let base = lake.table(LakeTable::Events).await.expect("table");
+        let mut ids: Vec<(i64, i64)> = base
+            .metadata()
+            .snapshots()
+            .map(|s| (s.sequence_number(), s.snapshot_id()))
+            .collect();
+        ids.sort();
+        let remove: Vec<i64> = ids[..2].iter().map(|(_, id)| *id).collect();
+        let removed: HashSet<i64> = remove.iter().copied().collect();
+        let new_md = || {
+            base.metadata()
+                .clone()
+                .into_builder(base.metadata_location().map(str::to_string))
+                .remove_snapshots(&remove)
+                .build()
+                .expect("metadata")
+                .metadata
+        };
+        let snapshots = || async {
+            let t = lake.table(LakeTable::Events).await.expect("table");
+            t.metadata().snapshots().count()
+        };
+        for held in [ids[0].1, ids[1].1] {
+            lake.hold_snapshot(LakeTable::Events, "late-holder", held)
+                .await
+                .expect("hold");
+            let e = lake
+                .commit_metadata(LakeTable::Events, &base, new_md(), Some(&removed))
+                .await
+                .expect_err("a held snapshot is not removed");
+            assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+            assert!(e.message().contains("was held"), "{e}");
+            assert_eq!(snapshots().await, 4);
+        }
+        // With the hold after what is removed, the commit goes through.
+        lake.hold_snapshot(LakeTable::Events, "late-holder", ids[2].1)
+            .await
+            .expect("hold");
+        lake.commit_metadata(LakeTable::Events, &base, new_md(), Some(&removed))
+            .await
+            .expect("nothing removed is held");
+        assert_eq!(snapshots().await, 2);
+    }
 }

@@ -999,7 +999,7 @@ pub async fn create(
         last_error: None,
     };
     if let Some(s) = snapshot_id {
-        lake.hold_snapshot(LakeTable::Events, &record.holder(), s)
+        lake.hold_present_snapshot(LakeTable::Events, &record.holder(), s)
             .await?;
     }
     store.insert(&record, &subranges).await?;
@@ -1337,7 +1337,7 @@ async fn settle_pin(
     // Held before its statistics are read: routine expiry may take a snapshot no longer
     // current meanwhile.
     if let Some(s) = to {
-        lake.hold_snapshot(LakeTable::Events, &record.holder(), s)
+        lake.hold_present_snapshot(LakeTable::Events, &record.holder(), s)
             .await?;
     }
     // The new snapshot lacks the events of every erasure read: of those it was judged
