@@ -824,7 +824,7 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
     }
 }
 
-/// A request a producer's quota refuses gives its tenant's tokens back: one producer's
+/// A request a producer's quota refuses gives its tenant's records back: one producer's
 /// refused retries do not spend the quota its tenant's other producers are owed. (Before,
 /// the tenant paid for each request before its producers were known, and kept the
 /// tokens.)
@@ -1065,7 +1065,7 @@ async fn the_http_edges_answer_in_the_error_shape() {
 /// A request larger than a quota bucket can ever hold is refused 413 with evidence, not
 /// 429 forever. One beyond the tenant's capacity takes no tokens: a request that fits is
 /// admitted right after. (A producer's share is known only after validation, when the
-/// tenant's tokens are taken.)
+/// tenant's tokens are taken: refused, it gives the tenant's records back.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_beyond_a_quotas_capacity_gets_413_and_spends_nothing() {
     let backend = support::embedded();
@@ -1142,6 +1142,13 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
     let backend = support::embedded();
     let mut config = dev_config();
     config.limits.body_timeout = Duration::from_secs(1);
+    // A request of 600 KB, made before the stalled one starts its 2 s.
+    let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1")).unwrap().len();
+    let batch: Vec<Value> = (0..600 * 1024 / one + 1)
+        .map(|i| event(&format!("copy-{i}"), "tenant-0", "p-1"))
+        .collect();
+    let body = serde_json::to_vec(&batch).unwrap();
+    assert!(body.len() < 1 << 20 && 2 * body.len() > 1 << 20);
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
@@ -1247,6 +1254,73 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     drop(stalled);
     gw.stop().await;
     assert_eq!(landed(&backend.config).await.len(), 120);
+}
+
+/// The events' validated copies take room too, until they are handed to the committer:
+/// with half the room held by a stalled body, a request of 600 KB (1.2 MB with its
+/// copies) gets 503 `bytes_in_flight` before any quota is paid, and is acknowledged once
+/// the stalled body times out. (Before, only the body was counted, and it was admitted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_validated_copies_of_events_take_room_too() {
+    use tokio::io::AsyncWriteExt;
+    let backend = support::embedded();
+    let mut config = dev_config();
+    config.limits.max_body_bytes = 1 << 20;
+    config.limits.max_decoded_bytes = 1 << 20;
+    config.queue.max_bytes = 1 << 20;
+    config.queue.tenant_share_percent = 100;
+    config.limits.max_bytes_in_flight = 2 << 20;
+    config.limits.body_timeout = Duration::from_secs(2);
+    // Twice the decoded limit is one whole request now, whatever the body limit.
+    let mut small_body = config.clone();
+    small_body.limits.max_body_bytes = 1 << 10;
+    small_body.limits.max_bytes_in_flight = (2 << 20) - 1;
+    let e = small_body.validate().unwrap_err();
+    assert!(e.to_string().contains("twice"), "{e}");
+    // A request of 600 KB, made before the stalled one starts its 2 s.
+    let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1")).unwrap().len();
+    let batch: Vec<Value> = (0..600 * 1024 / one + 1)
+        .map(|i| event(&format!("copy-{i}"), "tenant-0", "p-1"))
+        .collect();
+    let body = serde_json::to_vec(&batch).unwrap();
+    assert!(body.len() < 1 << 20 && 2 * body.len() > 1 << 20);
+    let gw = start(config, &backend.config).await;
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                1 << 20
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let in_flight = || {
+        metric(&gw.url, |l| {
+            l.starts_with("signalweave_gateway_body_bytes_in_flight ")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while in_flight().await < f64::from(1 << 20) {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled request never took its room"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = post(&gw.url, T0, &batch).await;
+    assert_eq!(a.status, 503, "{}", a.body["error"]);
+    assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let a = post(&gw.url, T0, &batch).await;
+    assert_eq!(a.status, 200, "{}", a.body["error"]);
+    assert_eq!(in_flight().await, 0.0, "every request's room came back");
+    drop(stalled);
+    gw.stop().await;
+    assert_eq!(landed(&backend.config).await.len(), batch.len());
 }
 
 /// SIGTERM while the store is down and a client stalls: the stop still ends. Requests

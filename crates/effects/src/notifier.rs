@@ -264,6 +264,25 @@ impl Notifier {
         if Some(upto) == from {
             return Ok(NotifyStep::default());
         }
+        if from.is_none() {
+            // A first read plans from a retained snapshot nothing holds yet, which expiry
+            // may remove while the outputs are read: the position would then name a
+            // snapshot that is gone. It is held before it is read; if it went first, the
+            // next step plans again.
+            let holder = format!("effects:{}:{}", self.spec.name, self.namespace);
+            match self
+                .lake
+                .hold_present_snapshot(self.table, &holder, upto)
+                .await
+            {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::Conflict => {
+                    tracing::info!(job = %self.spec.name, namespace = %self.namespace, snapshot = upto, "the first snapshot to read expired before it was held; planning again at the next step");
+                    return Ok(NotifyStep::default());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         let mut report = NotifyStep {
             snapshots: plan.snapshots.len(),
             ..Default::default()

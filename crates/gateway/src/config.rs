@@ -87,15 +87,20 @@ impl GatewayConfig {
                 return bad(field, "must be at most 4 GiB");
             }
         }
+        // One request holds its body as received and decoded, then the decoded body and
+        // the events' validated copies (about as large).
+        let decoded = self.limits.max_decoded_bytes;
         let one_request = self
             .limits
             .max_body_bytes
-            .saturating_add(self.limits.max_decoded_bytes);
+            .saturating_add(decoded)
+            .max(decoded.saturating_mul(2));
         if self.limits.max_bytes_in_flight < one_request {
             return bad(
                 "limits.max_bytes_in_flight",
-                "must be at least limits.max_body_bytes + limits.max_decoded_bytes (one whole \
-                 request, as received and decoded)",
+                "must be at least limits.max_body_bytes + limits.max_decoded_bytes and twice \
+                 limits.max_decoded_bytes (one whole request: as received and decoded, then \
+                 decoded and validated)",
             );
         }
         if self.limits.max_bytes_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
@@ -240,9 +245,11 @@ pub struct RequestLimits {
     #[serde(default = "RequestLimits::default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
     /// Bytes of request bodies held at once, as received and decoded, over all requests
-    /// until each is answered. A request that would take more, as its body arrives or
-    /// decodes, gets 503 `bytes_in_flight`: without it, `max_concurrent_requests` bodies
-    /// of `max_decoded_bytes` each could be held at once (16 GiB by default).
+    /// until each is answered, and of their events' validated copies until they are
+    /// handed to the committer (counted as the decoded body's size). A request that would
+    /// take more, as its body arrives or decodes or before it is validated, gets 503
+    /// `bytes_in_flight`: without it, `max_concurrent_requests` bodies of
+    /// `max_decoded_bytes` each could be held at once (16 GiB by default).
     #[serde(default = "RequestLimits::default_max_bytes_in_flight")]
     pub max_bytes_in_flight: usize,
     /// How long a request's body may take to arrive once its headers have: a client that

@@ -6,9 +6,11 @@
 //! governor's, for two things governor's buckets cannot do:
 //! - a request takes from all the buckets it asks of, or from none: a request one bucket
 //!   refuses spends nothing from the others;
-//! - tokens come back: a request the tenant paid for before its body was parsed gets
-//!   them back when a producer's quota then refuses it ([`Quotas::give_back`]), so one
-//!   producer's refused retries do not spend the quota of its tenant's other producers.
+//! - tokens come back: a request the tenant paid for before its body was parsed gets its
+//!   records back when a producer's quota then refuses it ([`Quotas::give_back`]), so one
+//!   producer's refused retries do not spend the records its tenant's other producers are
+//!   owed. The bytes stay spent: they paid for the parsing, so what refused requests can
+//!   make the gateway parse stays bounded by the tenant's bytes quota.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -117,15 +119,13 @@ pub struct Throttle {
     pub retry_after: Duration,
 }
 
-/// What one admitted request took from its quotas, to give back if the request is then
+/// The tenant records one admitted request took, to give back if the request is then
 /// refused (see [`Quotas::give_back`]).
 #[derive(Debug, Default)]
 #[must_use = "what a request took is given back if the request is then refused"]
 pub struct Taken {
     tenant_index: usize,
     records: u32,
-    bytes: u32,
-    producers: Vec<(String, u32)>,
 }
 
 /// All quotas of the gateway.
@@ -263,16 +263,11 @@ impl Quotas {
         Ok(Taken {
             tenant_index,
             records,
-            bytes,
-            producers: per_producer
-                .iter()
-                .map(|(p, n)| ((*p).to_string(), *n))
-                .collect(),
         })
     }
 
-    /// Gives back what a request took, when the request is then refused: the next
-    /// request of its tenant (or producers) may spend those tokens.
+    /// Gives back the tenant records a request took, when the request is then refused:
+    /// the tenant's next request may spend them. (Its bytes stay spent: see the module.)
     pub fn give_back(&self, taken: Taken) {
         self.give_back_at(taken, self.now_ns());
     }
@@ -283,16 +278,10 @@ impl Quotas {
         };
         let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
         t.records.give_back(taken.records, now_ns);
-        t.bytes.give_back(taken.bytes, now_ns);
-        for (producer, n) in taken.producers {
-            if let Some(b) = t.producers.get_mut(&producer) {
-                b.give_back(n, now_ns);
-            }
-        }
     }
 
-    /// Forgets producers' buckets that are full again (call now and then, so the map
-    /// stays bounded by the producers heard from within the last second).
+    /// Forgets producers' buckets that are full again (call now and then: the map then
+    /// holds the producers heard from within about a second before the call).
     pub fn retain_recent(&self) {
         let now_ns = self.now_ns();
         for t in &self.tenants {
@@ -374,22 +363,27 @@ mod tests {
     }
 
     #[test]
-    fn tokens_given_back_are_spent_again_and_never_overfill() {
+    fn records_given_back_are_spent_again_and_never_overfill() {
         let q = quotas(100, 1_000, 10);
         let now = SECOND;
         let paid = q.check_at(0, 60, 600, &[], now).unwrap();
         assert!(q.check_at(0, 60, 1, &[], now).is_err());
         q.give_back_at(paid, now);
-        let _ = q.check_at(0, 100, 1_000, &[], now).unwrap();
+        // The records came back; the bytes stay spent.
+        let _ = q.check_at(0, 100, 400, &[], now).unwrap();
         assert!(q.check_at(0, 1, 0, &[], now).is_err());
+        let q = quotas(100, 1_000, 10);
+        let paid = q.check_at(0, 10, 600, &[], now).unwrap();
+        q.give_back_at(paid, now);
+        let t = throttled(q.check_at(0, 1, 401, &[], now));
+        assert_eq!(t.bucket, "tenant_bytes");
         // Given back after the bucket refilled: it stays at its capacity.
         let q = quotas(100, 1_000, 10);
-        let paid = q.check_at(0, 50, 0, &[("p", 5)], now).unwrap();
+        let paid = q.check_at(0, 50, 0, &[], now).unwrap();
         let later = now + 2 * SECOND;
         q.give_back_at(paid, later);
-        let _ = q.check_at(0, 100, 0, &[("p", 10)], later).unwrap();
+        let _ = q.check_at(0, 100, 0, &[], later).unwrap();
         assert!(q.check_at(0, 1, 0, &[], later).is_err());
-        assert!(q.check_at(0, 0, 0, &[("p", 1)], later).is_err());
     }
 
     #[test]

@@ -805,6 +805,13 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             return Err(Refusal::rejection(status, &r));
         }
     };
+    // Room for the events' validated copies, about the decoded body's size, taken before
+    // any quota is paid and given back once they are handed to the committer, whose queue
+    // counts them from then on: the room bounds what requests hold, copies included.
+    let copies = decoded.len();
+    if !room.take(copies) {
+        return Err(no_room(st));
+    }
     // Room in the queue first, for the whole decoded body (what is accepted of it is
     // less): a request the queue refuses spends none of the tenant's tokens. Given back
     // when the request ends, but for what is handed to the committer.
@@ -862,8 +869,9 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     }
     let per_producer: Vec<(&str, u32)> = per_producer.into_iter().collect();
     // A producer's quota refuses the request, or takes from every producer of it. Refused,
-    // the request gives the tenant's tokens back: one producer's retries must not spend
-    // what its tenant's other producers are owed.
+    // the request gives the tenant's records back: one producer's retries must not spend
+    // what its tenant's other producers are owed. (The bytes, which paid for the parsing,
+    // stay spent.)
     if let Err(q) = st.quotas.check(grant.tenant_index, 0, 0, &per_producer) {
         st.quotas.give_back(tenant_paid);
         return Err(quota_refusal(
@@ -917,6 +925,8 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         evidence,
         reply,
     });
+    // The copies are the committer's now (or dropped, below).
+    room.give_back(copies);
     if let Err(mpsc::error::SendError(sub)) = submitted {
         // Never admitted: its bytes go back to the queue.
         drop(QueueHold {

@@ -367,34 +367,40 @@ impl Lake {
              AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL) AND metadata_location = $6"
         };
         let sql_error = |what: &'static str| move |e| LakeError::sql(what, e);
-        let mut tx = self
-            .control_pool()
-            .begin()
-            .await
-            .map_err(sql_error("begin the metadata commit"))?;
-        if expiring.is_some() && !self.config().is_sqlite() {
-            sqlx::query("LOCK TABLE sw_snapshot_holds IN SHARE MODE")
+        let mut tx = match self.control_pool().begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                let _ = base.file_io().delete(&new_loc_s).await;
+                return Err(LakeError::sql("begin the metadata commit", e));
+            }
+        };
+        let checked = async {
+            if expiring.is_some() && !self.config().is_sqlite() {
+                sqlx::query("LOCK TABLE sw_snapshot_holds IN SHARE MODE")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(sql_error("shut out new snapshot holds"))?;
+            }
+            let swapped = sqlx::query(sql)
+                .bind(new_loc_s.as_str())
+                .bind(base_loc)
+                .bind(self.config().catalog_name.as_str())
+                .bind(table.name())
+                .bind(NAMESPACE)
+                .bind(base_loc)
                 .execute(&mut *tx)
                 .await
-                .map_err(sql_error("shut out new snapshot holds"))?;
-        }
-        let swapped = sqlx::query(sql)
-            .bind(new_loc_s.as_str())
-            .bind(base_loc)
-            .bind(self.config().catalog_name.as_str())
-            .bind(table.name())
-            .bind(NAMESPACE)
-            .bind(base_loc)
-            .execute(&mut *tx)
-            .await
-            .map_err(sql_error("swap the table's metadata pointer"))?
-            .rows_affected();
-        let refused = if swapped == 0 {
-            Some(format!(
-                "{} changed while maintenance prepared its commit",
-                table.name()
-            ))
-        } else if let Some(removed) = expiring {
+                .map_err(sql_error("swap the table's metadata pointer"))?
+                .rows_affected();
+            if swapped == 0 {
+                return Ok(Some(format!(
+                    "{} changed while maintenance prepared its commit",
+                    table.name()
+                )));
+            }
+            let Some(removed) = expiring else {
+                return Ok(None);
+            };
             let held: HashSet<i64> = sqlx::query_as::<_, (i64,)>(self.holds_sql())
                 .bind(self.config().catalog_name.as_str())
                 .bind(table.name())
@@ -404,19 +410,25 @@ impl Lake {
                 .into_iter()
                 .map(|(id,)| id)
                 .collect();
-            held_among(base.metadata(), &held, removed).map(|id| {
+            Ok(held_among(base.metadata(), &held, removed).map(|id| {
                 format!(
                     "{}: snapshot {id} was held while expiry prepared a commit that removes it",
                     table.name()
                 )
-            })
-        } else {
-            None
+            }))
+        }
+        .await;
+        // Refused or failed before its commit, the transaction is rolled back and the
+        // metadata file is garbage. (A failed commit may still have taken: its file stays.)
+        let refused = match checked {
+            Ok(None) => None,
+            Ok(Some(why)) => Some(LakeError::new(ErrorKind::Conflict, why)),
+            Err(e) => Some(e),
         };
-        if let Some(why) = refused {
+        if let Some(e) = refused {
             let _ = tx.rollback().await;
             let _ = base.file_io().delete(&new_loc_s).await;
-            return Err(LakeError::new(ErrorKind::Conflict, why));
+            return Err(e);
         }
         tx.commit()
             .await
@@ -715,7 +727,7 @@ impl Lake {
     /// `Conflict` when an expiry removed it first. A holder's first hold needs the check
     /// (moving a hold forward does not: the earlier hold kept the later snapshot). An
     /// expiry reads the holds again as it commits, so once this returns `Ok` the snapshot
-    /// stays until released.
+    /// stays until released (or an erasure expires it: erasures override holds).
     pub async fn hold_present_snapshot(
         &self,
         table: LakeTable,

@@ -998,9 +998,16 @@ pub async fn create(
         rate_limit: request.budgets.records_per_sec,
         last_error: None,
     };
-    if let Some(s) = snapshot_id {
-        lake.hold_present_snapshot(LakeTable::Events, &record.holder(), s)
-            .await?;
+    if let Some(s) = snapshot_id
+        && let Err(e) = lake
+            .hold_present_snapshot(LakeTable::Events, &record.holder(), s)
+            .await
+    {
+        // Not planned: the hold of a backfill that is not stored is let go.
+        let _ = lake
+            .release_snapshot(LakeTable::Events, &record.holder())
+            .await;
+        return Err(e.into());
     }
     store.insert(&record, &subranges).await?;
     tracing::info!(job = %record.job, namespace = %record.namespace, version = record.job_version, subranges = subranges.len(), snapshot = ?snapshot_id, "backfill planned");

@@ -1143,14 +1143,17 @@ impl LiveJob {
             let (None, Some(upto)) = (self.position, plan.upto) else {
                 return Ok(plan);
             };
-            self.lake
-                .hold_snapshot(LakeTable::Events, &self.store.holder(), upto)
-                .await?;
-            let table = self.lake.table(LakeTable::Events).await?;
-            if table.metadata().snapshot_by_id(upto).is_some() || attempts >= 5 {
-                return Ok(plan);
+            match self
+                .lake
+                .hold_present_snapshot(LakeTable::Events, &self.store.holder(), upto)
+                .await
+            {
+                Ok(()) => return Ok(plan),
+                Err(e) if e.kind() == ErrorKind::Conflict && attempts < 5 => {
+                    tracing::info!(job = %self.spec.name, snapshot = upto, "the first snapshot to read expired before it was held; planning again");
+                }
+                Err(e) => return Err(e.into()),
             }
-            tracing::info!(job = %self.spec.name, snapshot = upto, "the first snapshot to read expired before it was held; planning again");
         }
     }
 
