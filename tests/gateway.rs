@@ -1142,13 +1142,6 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
     let backend = support::embedded();
     let mut config = dev_config();
     config.limits.body_timeout = Duration::from_secs(1);
-    // A request of 600 KB, made before the stalled one starts its 2 s.
-    let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1")).unwrap().len();
-    let batch: Vec<Value> = (0..600 * 1024 / one + 1)
-        .map(|i| event(&format!("copy-{i}"), "tenant-0", "p-1"))
-        .collect();
-    let body = serde_json::to_vec(&batch).unwrap();
-    assert!(body.len() < 1 << 20 && 2 * body.len() > 1 << 20);
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
@@ -1184,53 +1177,21 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
 /// back. A budget too small for one whole request is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bytes_of_bodies_in_flight_are_bounded() {
-    use tokio::io::AsyncWriteExt;
     let backend = support::embedded();
-    let mut config = dev_config();
-    config.limits.max_body_bytes = 1 << 20;
-    config.limits.max_decoded_bytes = 1 << 20;
-    config.queue.max_bytes = 1 << 20;
-    config.queue.tenant_share_percent = 100;
+    let mut config = megabyte_config();
     config.limits.max_bytes_in_flight = (2 << 20) - 1;
     let e = config.validate().unwrap_err();
     assert!(e.to_string().contains("limits.max_bytes_in_flight"), "{e}");
     config.limits.max_bytes_in_flight = 2 << 20;
-    config.limits.body_timeout = Duration::from_secs(2);
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let mut stalled = Vec::new();
     for _ in 0..2 {
-        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        c.write_all(
-            format!(
-                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
-                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                1 << 20
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-        c.write_all(&vec![b' '; (1 << 20) - 8 * 1024])
-            .await
-            .unwrap();
-        stalled.push(c);
+        stalled.push(stall(&addr, 1 << 20, &vec![b' '; (1 << 20) - 8 * 1024]).await);
     }
     // Each stalled request took room for the length it declared, before its body came.
-    let in_flight = |url: String| async move {
-        metric(&url, |l| {
-            l.starts_with("signalweave_gateway_body_bytes_in_flight ")
-        })
-        .await
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while in_flight(gw.url.clone()).await < f64::from(2 << 20) {
-        assert!(
-            Instant::now() < deadline,
-            "the stalled requests never took their room"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let in_flight = |url: String| async move { body_bytes_in_flight(&url).await };
+    wait_for_room_taken(&gw.url, 2 << 20, "the stalled requests").await;
     let batch: Vec<Value> = (0..120)
         .map(|i| event(&format!("room-{i}"), "tenant-0", "p-1"))
         .collect();
@@ -1256,14 +1217,9 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     assert_eq!(landed(&backend.config).await.len(), 120);
 }
 
-/// The events' validated copies take room too, until they are handed to the committer:
-/// with half the room held by a stalled body, a request of 600 KB (1.2 MB with its
-/// copies) gets 503 `bytes_in_flight` before any quota is paid, and is acknowledged once
-/// the stalled body times out. (Before, only the body was counted, and it was admitted.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_validated_copies_of_events_take_room_too() {
-    use tokio::io::AsyncWriteExt;
-    let backend = support::embedded();
+/// Bodies of 1 MiB at most (received and decoded), a queue of 1 MiB all of it the one
+/// tenant's, room for 2 MiB of bodies in flight, and a body timeout of 2 s.
+fn megabyte_config() -> GatewayConfig {
     let mut config = dev_config();
     config.limits.max_body_bytes = 1 << 20;
     config.limits.max_decoded_bytes = 1 << 20;
@@ -1271,6 +1227,52 @@ async fn the_validated_copies_of_events_take_room_too() {
     config.queue.tenant_share_percent = 100;
     config.limits.max_bytes_in_flight = 2 << 20;
     config.limits.body_timeout = Duration::from_secs(2);
+    config
+}
+
+/// A request to `addr` that declares a JSON body of `len` bytes, sends `sent` of it, and
+/// stalls.
+async fn stall(addr: &str, len: usize, sent: &[u8]) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(
+        format!(
+            "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
+             Content-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    c.write_all(sent).await.unwrap();
+    c
+}
+
+/// The gateway's gauge of the bytes of bodies in flight.
+async fn body_bytes_in_flight(url: &str) -> f64 {
+    metric(url, |l| {
+        l.starts_with("signalweave_gateway_body_bytes_in_flight ")
+    })
+    .await
+}
+
+/// Waits (10 s at most) until the bodies in flight hold `bytes`, which `who` took.
+async fn wait_for_room_taken(url: &str, bytes: u32, who: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while body_bytes_in_flight(url).await < f64::from(bytes) {
+        assert!(Instant::now() < deadline, "{who} never took their room");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The events' validated copies take room too, until they are handed to the committer:
+/// with half the room held by a stalled body, a request of 600 KB (1.2 MB with its
+/// copies) gets 503 `bytes_in_flight` before any quota is paid, and is acknowledged once
+/// the stalled body times out. (Before, only the body was counted, and it was admitted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_validated_copies_of_events_take_room_too() {
+    let backend = support::embedded();
+    let config = megabyte_config();
     // Twice the decoded limit is one whole request now, whatever the body limit.
     let mut small_body = config.clone();
     small_body.limits.max_body_bytes = 1 << 10;
@@ -1278,7 +1280,9 @@ async fn the_validated_copies_of_events_take_room_too() {
     let e = small_body.validate().unwrap_err();
     assert!(e.to_string().contains("twice"), "{e}");
     // A request of 600 KB, made before the stalled one starts its 2 s.
-    let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1")).unwrap().len();
+    let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1"))
+        .unwrap()
+        .len();
     let batch: Vec<Value> = (0..600 * 1024 / one + 1)
         .map(|i| event(&format!("copy-{i}"), "tenant-0", "p-1"))
         .collect();
@@ -1286,31 +1290,9 @@ async fn the_validated_copies_of_events_take_room_too() {
     assert!(body.len() < 1 << 20 && 2 * body.len() > 1 << 20);
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
-    let mut stalled = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    stalled
-        .write_all(
-            format!(
-                "POST /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {T0}\r\n\
-                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                1 << 20
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let in_flight = || {
-        metric(&gw.url, |l| {
-            l.starts_with("signalweave_gateway_body_bytes_in_flight ")
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while in_flight().await < f64::from(1 << 20) {
-        assert!(
-            Instant::now() < deadline,
-            "the stalled request never took its room"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let stalled = stall(&addr, 1 << 20, &[]).await;
+    let in_flight = || body_bytes_in_flight(&gw.url);
+    wait_for_room_taken(&gw.url, 1 << 20, "the stalled request").await;
     let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 503, "{}", a.body["error"]);
     assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
