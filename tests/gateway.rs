@@ -829,7 +829,7 @@ async fn a_tenant_over_quota_gets_429_while_another_is_acknowledged_promptly() {
 /// the tenant paid for each request before its producers were known, and kept the
 /// tokens.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_a_producers_quota_refuses_gives_the_tenants_tokens_back() {
+async fn a_request_a_producers_quota_refuses_gives_the_tenants_records_back() {
     let backend = support::embedded();
     let mut config = dev_config();
     config.tenants[0].records_per_sec = 50;
@@ -1204,7 +1204,7 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
         1.0
     );
     // The stalled bodies time out (408), and their room comes back.
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    wait_for_room_given_back(&gw.url).await;
     let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(
@@ -1215,6 +1215,18 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     drop(stalled);
     gw.stop().await;
     assert_eq!(landed(&backend.config).await.len(), 120);
+}
+
+/// Waits (20 s at most) until no request holds room: stalled bodies timed out.
+async fn wait_for_room_given_back(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while body_bytes_in_flight(url).await > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled bodies kept their room"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Bodies of 1 MiB at most (received and decoded), a queue of 1 MiB all of it the one
@@ -1296,13 +1308,59 @@ async fn the_validated_copies_of_events_take_room_too() {
     let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 503, "{}", a.body["error"]);
     assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    wait_for_room_given_back(&gw.url).await;
     let a = post(&gw.url, T0, &batch).await;
     assert_eq!(a.status, 200, "{}", a.body["error"]);
     assert_eq!(in_flight().await, 0.0, "every request's room came back");
     drop(stalled);
     gw.stop().await;
     assert_eq!(landed(&backend.config).await.len(), batch.len());
+}
+
+/// A zstd body takes room for its decoder's window while it decodes: with 8 MiB of room
+/// left, a small body streamed at level 19 (an 8 MiB window) gets 503 `bytes_in_flight`,
+/// and the same events compressed in one shot (a window of their size) are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zstd_decoders_window_takes_room_while_it_decodes() {
+    let backend = support::embedded();
+    let mut config = megabyte_config();
+    config.limits.max_bytes_in_flight = 12 << 20;
+    config.limits.body_timeout = Duration::from_secs(30);
+    let gw = start(config, &backend.config).await;
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        stalled.push(stall(&addr, 1 << 20, &[]).await);
+    }
+    wait_for_room_taken(&gw.url, 4 << 20, "the stalled requests").await;
+    let batch: Vec<Value> = (0..20)
+        .map(|i| event(&format!("window-{i}"), "tenant-0", "p-1"))
+        .collect();
+    let json = serde_json::to_vec(&batch).unwrap();
+    let mut streamed = Vec::new();
+    {
+        let mut enc = zstd::stream::write::Encoder::new(&mut streamed, 19).unwrap();
+        enc.write_all(&json).unwrap();
+        enc.finish().unwrap();
+    }
+    let post_zstd = |body: Vec<u8>| {
+        post_raw(
+            &gw.url,
+            Some(T0),
+            Some("application/json"),
+            Some("zstd"),
+            body,
+        )
+    };
+    let a = post_zstd(streamed).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.body["error"]["reason"], "bytes_in_flight");
+    let a = post_zstd(zstd::bulk::compress(&json, 19).unwrap()).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(body_bytes_in_flight(&gw.url).await, f64::from(4 << 20));
+    drop(stalled);
+    gw.stop().await;
+    assert_eq!(landed(&backend.config).await.len(), 20);
 }
 
 /// SIGTERM while the store is down and a client stalls: the stop still ends. Requests

@@ -229,6 +229,35 @@ impl Notifier {
         Ok(Some(latest))
     }
 
+    /// The read of a step from `from`: an expired position is an error that says why and
+    /// what to do.
+    async fn plan_step(
+        &self,
+        from: Option<i64>,
+        max_snapshots: usize,
+    ) -> Result<signalweave_lake::IncrementalPlan> {
+        match self
+            .lake
+            .plan_appended_bounded(self.table, from, max_snapshots)
+            .await
+        {
+            Ok(plan) => Ok(plan),
+            Err(e) if e.kind() == ErrorKind::NotFound && from.is_some() => Err(EffectError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "{} ({}): its position on {} has expired ({e}); an erasure expires \
+                         every snapshot before it, held or not. The outputs committed since \
+                         can no longer be told from those before: run with --skip-expired to \
+                         go on from the current snapshot without notifying them",
+                    self.spec.name,
+                    self.namespace,
+                    self.table.name()
+                ),
+            )),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Reads the output snapshots after the position (at most `max_snapshots`) and records
     /// their intents with the new position. Returns what it did (nothing when caught up).
     pub async fn step(&self, max_snapshots: usize) -> Result<NotifyStep> {
@@ -236,52 +265,35 @@ impl Notifier {
             .ledger
             .position(&self.spec.name, &self.namespace)
             .await?;
-        let plan = match self
-            .lake
-            .plan_appended_bounded(self.table, from, max_snapshots)
-            .await
-        {
-            Ok(plan) => plan,
-            Err(e) if e.kind() == ErrorKind::NotFound && from.is_some() => {
-                return Err(EffectError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "{} ({}): its position on {} has expired ({e}); an erasure expires \
-                         every snapshot before it, held or not. The outputs committed since \
-                         can no longer be told from those before: run with --skip-expired to \
-                         go on from the current snapshot without notifying them",
-                        self.spec.name,
-                        self.namespace,
-                        self.table.name()
-                    ),
-                ));
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let Some(upto) = plan.upto else {
-            return Ok(NotifyStep::default());
-        };
-        if Some(upto) == from {
-            return Ok(NotifyStep::default());
-        }
-        if from.is_none() {
+        let mut attempts = 0;
+        let plan = loop {
+            attempts += 1;
+            let plan = self.plan_step(from, max_snapshots).await?;
+            let (None, Some(upto)) = (from, plan.upto) else {
+                break plan;
+            };
             // A first read plans from a retained snapshot nothing holds yet, which expiry
             // may remove while the outputs are read: the position would then name a
-            // snapshot that is gone. It is held before it is read; if it went first, the
-            // next step plans again.
+            // snapshot that is gone. It is held before it is read, and the read planned
+            // again if it went first.
             let holder = format!("effects:{}:{}", self.spec.name, self.namespace);
             match self
                 .lake
                 .hold_present_snapshot(self.table, &holder, upto)
                 .await
             {
-                Ok(()) => {}
-                Err(e) if e.kind() == ErrorKind::Conflict => {
-                    tracing::info!(job = %self.spec.name, namespace = %self.namespace, snapshot = upto, "the first snapshot to read expired before it was held; planning again at the next step");
-                    return Ok(NotifyStep::default());
+                Ok(()) => break plan,
+                Err(e) if e.kind() == ErrorKind::Conflict && attempts < 5 => {
+                    tracing::info!(job = %self.spec.name, namespace = %self.namespace, snapshot = upto, "the first snapshot to read expired before it was held; planning again");
                 }
                 Err(e) => return Err(e.into()),
             }
+        };
+        let Some(upto) = plan.upto else {
+            return Ok(NotifyStep::default());
+        };
+        if Some(upto) == from {
+            return Ok(NotifyStep::default());
         }
         let mut report = NotifyStep {
             snapshots: plan.snapshots.len(),

@@ -73,6 +73,69 @@ const DECODE_CHUNK: usize = 64 * 1024;
 /// use (the decoder's default limit, 128 MiB, would let each request allocate that much).
 pub const ZSTD_WINDOW_LOG_MAX: u32 = 23;
 
+/// The memory a decoder of `body` holds besides the decoded bytes: a zstd decoder's
+/// window (the largest any frame of the body declares, [`ZSTD_WINDOW_LOG_MAX`] at most,
+/// and that much when a header cannot be read: the decoding then fails anyway), gzip's
+/// 32 KiB, nothing for a body sent as is. Taken from the room for bodies while the body
+/// decodes.
+pub fn decoder_memory(encoding: Option<&str>, body: &[u8]) -> usize {
+    let encoding = encoding.map(|e| e.trim().to_ascii_lowercase());
+    match encoding.as_deref() {
+        Some("gzip") | Some("x-gzip") => 32 * 1024,
+        Some("zstd") => zstd_window(body),
+        _ => 0,
+    }
+}
+
+/// The largest window the zstd frames of `body` declare (RFC 8878, 3.1.1.1), at most
+/// [`ZSTD_WINDOW_LOG_MAX`]. Skippable frames need none.
+fn zstd_window(mut body: &[u8]) -> usize {
+    const MAX: usize = 1 << ZSTD_WINDOW_LOG_MAX;
+    let mut largest = 0;
+    while !body.is_empty() {
+        let Some(window) = zstd_frame_window(body) else {
+            return MAX;
+        };
+        largest = largest.max(window.min(MAX as u64) as usize);
+        match zstd::zstd_safe::find_frame_compressed_size(body) {
+            Ok(n) if n > 0 && n <= body.len() => body = &body[n..],
+            _ => return MAX,
+        }
+    }
+    largest
+}
+
+/// The window one zstd frame at the start of `frame` declares, from its header; `None`
+/// when the header cannot be read.
+fn zstd_frame_window(frame: &[u8]) -> Option<u64> {
+    let magic = u32::from_le_bytes(frame.get(..4)?.try_into().ok()?);
+    if magic & 0xFFFF_FFF0 == 0x184D_2A50 {
+        // A skippable frame: no data to decode.
+        return Some(0);
+    }
+    if magic != 0xFD2F_B528 {
+        return None;
+    }
+    let descriptor = *frame.get(4)?;
+    let single_segment = descriptor & 0x20 != 0;
+    if !single_segment {
+        // The window descriptor: 2^(10 + exponent), plus mantissa eighths of that.
+        let wd = *frame.get(5)?;
+        let base = 1u64 << (10 + u32::from(wd >> 3));
+        return Some(base + base / 8 * u64::from(wd & 7));
+    }
+    // A single segment: the window is the frame's content size, which follows the
+    // dictionary id.
+    let dict_id_len = [0, 1, 2, 4][usize::from(descriptor & 3)];
+    let fcs_len = [1, 2, 4, 8][usize::from(descriptor >> 6)];
+    let at = 5 + dict_id_len;
+    let field = frame.get(at..at + fcs_len)?;
+    let mut size = [0u8; 8];
+    size[..fcs_len].copy_from_slice(field);
+    let size = u64::from_le_bytes(size);
+    Some(if fcs_len == 2 { size + 256 } else { size })
+}
+
 fn read_limited(
     mut reader: impl Read,
     limit: usize,
@@ -253,6 +316,41 @@ fn trim(bytes: &[u8]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zstd_decoder_takes_the_window_its_frames_declare() {
+        let small = zstd::bulk::compress(&b"{\"a\": 1}"[..], 3).unwrap();
+        // One-shot compression declares the content size: the window is that small.
+        assert!(
+            decoder_memory(Some("zstd"), &small) < 64,
+            "{}",
+            decoder_memory(Some("zstd"), &small)
+        );
+        // A streamed frame declares a window of its own (level 19: 8 MiB).
+        let big: Vec<u8> = (0..200_000u32).flat_map(|i| i.to_le_bytes()).collect();
+        let mut streamed = Vec::new();
+        {
+            let mut enc = zstd::stream::write::Encoder::new(&mut streamed, 19).unwrap();
+            std::io::Write::write_all(&mut enc, &big).unwrap();
+            enc.finish().unwrap();
+        }
+        let window = decoder_memory(Some("zstd"), &streamed);
+        assert!(
+            window > 64 * 1024 && window <= 1 << ZSTD_WINDOW_LOG_MAX,
+            "{window}"
+        );
+        // Two frames back to back: the larger window.
+        let mut two = small.clone();
+        two.extend_from_slice(&streamed);
+        assert_eq!(decoder_memory(Some("zstd"), &two), window);
+        // A header that cannot be read: the most a frame may ask for.
+        assert_eq!(
+            decoder_memory(Some("zstd"), b"not zstd"),
+            1 << ZSTD_WINDOW_LOG_MAX
+        );
+        assert_eq!(decoder_memory(Some("gzip"), b""), 32 * 1024);
+        assert_eq!(decoder_memory(None, b"{}"), 0);
+    }
 
     #[test]
     fn shapes_split_into_events() {

@@ -245,8 +245,9 @@ pub struct RequestLimits {
     #[serde(default = "RequestLimits::default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
     /// Bytes of request bodies held at once, as received and decoded, over all requests
-    /// until each is answered, and of their events' validated copies until they are
-    /// handed to the committer (counted as the decoded body's size). A request that would
+    /// until each is answered, of a zstd decoder's window while a body decodes, and of
+    /// their events' validated copies until they are handed to the committer (estimated
+    /// at the decoded body's size). A request that would
     /// take more, as its body arrives or decodes or before it is validated, gets 503
     /// `bytes_in_flight`: without it, `max_concurrent_requests` bodies of
     /// `max_decoded_bytes` each could be held at once (16 GiB by default).

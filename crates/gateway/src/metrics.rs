@@ -38,7 +38,8 @@ pub struct Metrics {
     pub ack_seconds: Histogram,
     /// Decoded bytes waiting for a commit.
     pub queue_bytes: Gauge,
-    /// Bytes of request bodies held, as received and decoded (room taken of
+    /// Bytes of request bodies held, as received and decoded, with their decoders'
+    /// windows and their events' validated copies (room taken of
     /// `limits.max_bytes_in_flight`).
     pub body_bytes_in_flight: Gauge,
     /// Age of the oldest event waiting for a commit, seconds.
@@ -124,7 +125,7 @@ impl Metrics {
         );
         registry.register(
             "body_bytes_in_flight",
-            "Bytes of request bodies held, as received and decoded (of limits.max_bytes_in_flight)",
+            "Bytes of request bodies held, as received and decoded, with decoder windows and validated copies (of limits.max_bytes_in_flight)",
             body_bytes_in_flight.clone(),
         );
         registry.register(

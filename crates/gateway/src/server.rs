@@ -25,7 +25,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::auth::{Authenticator, Grant};
-use crate::body::{Undecoded, body_format, decode_within, split};
+use crate::body::{Undecoded, body_format, decode_within, decoder_memory, split};
 use crate::committer::{
     Committer, CommitterOptions, CommitterReport, Outcome, Phase, Pipeline, Submission, Unavailable,
 };
@@ -54,7 +54,8 @@ struct AppState {
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
     permits: Arc<Semaphore>,
-    /// Bytes of request bodies held, as received and decoded ([`RequestLimits::max_bytes_in_flight`]).
+    /// Bytes of request bodies held, as received and decoded, with their decoders' windows
+    /// and their events' validated copies ([`RequestLimits::max_bytes_in_flight`]).
     ///
     /// [`RequestLimits::max_bytes_in_flight`]: crate::config::RequestLimits::max_bytes_in_flight
     body_bytes: Arc<Semaphore>,
@@ -768,6 +769,17 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     };
     // What the body as received holds (its buffer's capacity).
     let raw_room = room.held();
+    // The decoder's own memory (a zstd window), while the body decodes: counted up to what
+    // the room holds beyond one whole request, so a request the configuration says fits
+    // is never refused for ever.
+    let beyond_one = limits
+        .max_bytes_in_flight
+        .saturating_sub(limits.max_body_bytes + limits.max_decoded_bytes);
+    let decoder =
+        decoder_memory(header_str(headers, header::CONTENT_ENCODING), &raw).min(beyond_one);
+    if !room.take(decoder) {
+        return Err(no_room(st));
+    }
     let decoded = match decode_within(
         header_str(headers, header::CONTENT_ENCODING),
         raw.clone(),
@@ -790,6 +802,7 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     // is the decoded body itself.)
     let sent_as_is = decoded.as_ptr() == raw.as_ptr();
     drop(raw);
+    room.give_back(decoder);
     if !sent_as_is {
         room.give_back(raw_room);
     }
@@ -805,7 +818,8 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
             return Err(Refusal::rejection(status, &r));
         }
     };
-    // Room for the events' validated copies, about the decoded body's size, taken before
+    // Room for the events' validated copies, estimated at the decoded body's size (their
+    // strings' bytes; the structs' own headers are not counted), taken before
     // any quota is paid and given back once they are handed to the committer, whose queue
     // counts them from then on: the room bounds what requests hold, copies included.
     let copies = decoded.len();
@@ -1244,8 +1258,8 @@ fn no_room(st: &AppState) -> Refusal {
         StatusCode::SERVICE_UNAVAILABLE,
         "bytes_in_flight",
         format!(
-            "the gateway holds {} bytes of request bodies, its most \
-             (limits.max_bytes_in_flight)",
+            "the gateway holds {} bytes of request bodies (with their decoding and \
+             validated events), its most (limits.max_bytes_in_flight)",
             st.config.limits.max_bytes_in_flight
         ),
     )

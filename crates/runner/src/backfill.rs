@@ -998,18 +998,21 @@ pub async fn create(
         rate_limit: request.budgets.records_per_sec,
         last_error: None,
     };
-    if let Some(s) = snapshot_id
-        && let Err(e) = lake
-            .hold_present_snapshot(LakeTable::Events, &record.holder(), s)
-            .await
-    {
-        // Not planned: the hold of a backfill that is not stored is let go.
-        let _ = lake
-            .release_snapshot(LakeTable::Events, &record.holder())
-            .await;
-        return Err(e.into());
+    if let Some(s) = snapshot_id {
+        // (Refused, the hold names a snapshot that is gone, which keeps nothing.)
+        lake.hold_present_snapshot(LakeTable::Events, &record.holder(), s)
+            .await?;
     }
-    store.insert(&record, &subranges).await?;
+    if let Err(e) = store.insert(&record, &subranges).await {
+        // Not planned, its hold is let go; but not when the namespace is another
+        // backfill's, whose hold it is.
+        if e.kind() != ErrorKind::Conflict && snapshot_id.is_some() {
+            let _ = lake
+                .release_snapshot(LakeTable::Events, &record.holder())
+                .await;
+        }
+        return Err(e);
+    }
     tracing::info!(job = %record.job, namespace = %record.namespace, version = record.job_version, subranges = subranges.len(), snapshot = ?snapshot_id, "backfill planned");
     Ok(record)
 }
