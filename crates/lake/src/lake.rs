@@ -1013,7 +1013,7 @@ impl Lake {
             metadata.current_schema().clone()
         };
         let spec = metadata.default_partition_spec().clone();
-        let props = writer_properties(&schema)?;
+        let props = writer_properties(&schema, lineage)?;
         let location = DefaultLocationGenerator::new(metadata)
             .map_err(|e| LakeError::iceberg("location generator", e))?;
         let safe_writer: String = identity
@@ -1773,6 +1773,9 @@ impl OpenWriter {
     }
 }
 
+/// Rows of a row group in a rewritten file (see [`writer_properties`]).
+const REWRITTEN_ROW_GROUP_ROWS: usize = 65_536;
+
 /// How every data file is written: Zstandard at level 1, and each string, integer, date
 /// and timestamp column dictionary-encoded until its dictionary outgrows a page, then in a
 /// delta encoding in place of `PLAIN`:
@@ -1787,10 +1790,18 @@ impl OpenWriter {
 /// rise shrink to a byte or two before Zstandard sees them, so the landed events take 7%
 /// less space and a backfill reads them about a sixth faster (BENCHMARKS.md, stop 42).
 /// Low-cardinality columns stay dictionaries, which readers keep as such.
-fn writer_properties(schema: &iceberg::spec::Schema) -> Result<WriterProperties> {
+///
+/// A rewritten file (`rewritten`: compaction's, an erasure's of a compacted file) holds
+/// many commits, a day partition's at most, in commit order: its row groups hold
+/// [`REWRITTEN_ROW_GROUP_ROWS`] rows, so a narrow range of event time reads the groups
+/// whose bounds it meets rather than the whole file (BENCHMARKS.md, issue 5, stop 54).
+fn writer_properties(schema: &iceberg::spec::Schema, rewritten: bool) -> Result<WriterProperties> {
     let zstd = ZstdLevel::try_new(1)
         .map_err(|e| LakeError::new(ErrorKind::Internal, format!("zstd level: {e}")))?;
     let mut props = WriterProperties::builder().set_compression(Compression::ZSTD(zstd));
+    if rewritten {
+        props = props.set_max_row_group_row_count(Some(REWRITTEN_ROW_GROUP_ROWS));
+    }
     for field in schema.as_struct().fields() {
         use iceberg::spec::PrimitiveType as P;
         let fallback = match *field.field_type {
@@ -1968,6 +1979,66 @@ pub(crate) mod tests {
         let lake = Lake::open(LakeConfig::embedded(dir)).await.expect("open");
         lake.init().await.expect("init");
         lake
+    }
+
+    /// A rewritten file's row groups hold at most [`REWRITTEN_ROW_GROUP_ROWS`] rows, so a
+    /// narrow range reads the groups it meets; an append's file keeps Parquet's default.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_compacted_file_is_written_in_row_groups_a_narrow_range_can_skip() {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = initialised(dir.path()).await;
+        let data = events(150_000);
+        for i in 0..6 {
+            lake.append(
+                LakeTable::Events,
+                &[data.slice(i * 25_000, 25_000)],
+                &CommitIdentity::new("row-groups", i as u64),
+            )
+            .await
+            .expect("append");
+        }
+        let groups = |lake: Lake| async move {
+            let mut out = Vec::new();
+            for f in lake
+                .current_data_files(LakeTable::Events)
+                .await
+                .expect("files")
+            {
+                let path = f.strip_prefix("file://").unwrap_or(&f).to_string();
+                let reader =
+                    SerializedFileReader::new(std::fs::File::open(&path).expect("open the file"))
+                        .expect("a Parquet file");
+                out.push(
+                    reader
+                        .metadata()
+                        .row_groups()
+                        .iter()
+                        .map(|rg| rg.num_rows() as usize)
+                        .collect::<Vec<_>>(),
+                );
+            }
+            out
+        };
+        // Each append's file is one group.
+        assert!(groups(lake.clone()).await.iter().all(|g| g.len() == 1));
+        let report = lake
+            .compact(LakeTable::Events, &crate::CompactionPolicy::default())
+            .await
+            .expect("compact");
+        assert_eq!(report.rows, 150_000);
+        let after = groups(lake.clone()).await;
+        let rows: usize = after.iter().flatten().sum();
+        assert_eq!(rows, 150_000);
+        assert!(
+            after
+                .iter()
+                .flatten()
+                .all(|&n| n <= REWRITTEN_ROW_GROUP_ROWS)
+                && after.iter().map(Vec::len).sum::<usize>() >= 3,
+            "{after:?}"
+        );
     }
 
     /// A column of distinct strings falls back from its dictionary to
