@@ -553,7 +553,7 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             // Ten minutes of event time from the middle of the day: what pruning by the
             // files' and row groups' time statistics saves. Compaction writes events in
             // commit order, not time order, so this is where it could cost.
-            let times: Vec<i64> = data
+            let bounds: Vec<i64> = data
                 .iter()
                 .filter_map(|b| {
                     let t = b
@@ -565,8 +565,8 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                 .flatten()
                 .collect();
             let (first, last) = (
-                times.iter().copied().min().unwrap_or(0),
-                times.iter().copied().max().unwrap_or(0),
+                bounds.iter().copied().min().unwrap_or(0),
+                bounds.iter().copied().max().unwrap_or(0),
             );
             let narrow_from = first + (last - first) / 2;
             let literal = |us: i64| {

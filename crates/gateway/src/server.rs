@@ -775,17 +775,14 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
     let beyond_one = limits
         .max_bytes_in_flight
         .saturating_sub(limits.max_body_bytes + limits.max_decoded_bytes);
-    let decoder =
-        decoder_memory(header_str(headers, header::CONTENT_ENCODING), &raw).min(beyond_one);
+    let encoding = header_str(headers, header::CONTENT_ENCODING);
+    let decoder = decoder_memory(encoding, &raw).min(beyond_one);
     if !room.take(decoder) {
         return Err(no_room(st));
     }
-    let decoded = match decode_within(
-        header_str(headers, header::CONTENT_ENCODING),
-        raw.clone(),
-        limits.max_decoded_bytes,
-        &mut |n| room.take(n),
-    ) {
+    let decoded = match decode_within(encoding, raw.clone(), limits.max_decoded_bytes, &mut |n| {
+        room.take(n)
+    }) {
         Ok(d) => d,
         Err(Undecoded::NoRoom) => return Err(no_room(st)),
         Err(Undecoded::Rejected(r)) => {
