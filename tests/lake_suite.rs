@@ -854,6 +854,70 @@ async fn renewals_of_one_owner_never_fence_it_out() {
     );
 }
 
+/// A lease's fence locks the lease while its transaction runs: another owner's takeover
+/// waits for it to end, so what the transaction writes lands in the tenure it checked. Once
+/// taken over, the fence refuses, and a renewal of the taker keeps its generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_transaction_shuts_a_takeover_out_until_it_ends() {
+    for b in support::backends() {
+        let lake = open(&b).await;
+        let a = lake
+            .take_lease(
+                "live",
+                "fenced",
+                "live",
+                "host:1:a",
+                std::time::Duration::ZERO,
+            )
+            .await
+            .unwrap();
+        let mut tx = lake.control_pool().begin().await.unwrap();
+        lake.fence(&mut tx, &a).await.unwrap();
+        let taker = {
+            let lake = lake.clone();
+            tokio::spawn(async move {
+                lake.take_lease(
+                    "live",
+                    "fenced",
+                    "live",
+                    "host:1:b",
+                    std::time::Duration::from_secs(60),
+                )
+                .await
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        assert!(
+            !taker.is_finished(),
+            "{}: a takeover went through while a fenced transaction ran",
+            b.name
+        );
+        tx.commit().await.unwrap();
+        let b_fence = taker.await.unwrap().unwrap();
+        assert_eq!(b_fence.generation, a.generation + 1, "{}", b.name);
+        let mut tx = lake.control_pool().begin().await.unwrap();
+        let e = lake.fence(&mut tx, &a).await.unwrap_err();
+        assert_eq!(
+            e.kind(),
+            signalweave_model::ErrorKind::Conflict,
+            "{}: {e}",
+            b.name
+        );
+        drop(tx);
+        let renewed = lake
+            .take_lease(
+                "live",
+                "fenced",
+                "live",
+                "host:1:b",
+                std::time::Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        assert_eq!(renewed, b_fence, "{}", b.name);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_erasure_commits_while_appends_keep_coming() {
     let b = support::embedded();

@@ -888,6 +888,55 @@ async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
     assert!(count_rows(&lake, outputs).await > 0);
 }
 
+/// A job whose lease another instance has taken over commits nothing, even before its
+/// own renewals notice (they run once a second; its recency check still passes): each of
+/// its writes to the catalog database (the checkpoint's record, the sink's commits, the
+/// pointer) is fenced by the lease's tenure, in the write's own transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_lease_was_taken_over_commits_nothing() {
+    use std::sync::Arc;
+
+    use signalweave_model::ErrorKind;
+    use signalweave_runner::{LiveJob, RunnerMetrics};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (lake, spec, config) = strict_setup(dir.path()).await;
+    let mut job = LiveJob::recover(
+        lake.clone(),
+        Arc::clone(&spec),
+        config.clone(),
+        Arc::new(RunnerMetrics::new()),
+    )
+    .await
+    .unwrap();
+    read_all(&mut job).await;
+    // The lease runs out (as it would while the job was paused), and another instance
+    // takes the job over.
+    sqlx::query("UPDATE sw_leases SET lease_until_ms = 0")
+        .execute(lake.control_pool())
+        .await
+        .unwrap();
+    lake.take_lease(
+        "live",
+        &spec.name,
+        &config.namespace,
+        "another-host:1:b",
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let e = job.step(true).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+    assert_eq!(job.epoch(), 0);
+    let outputs = "select count(*) from signalweave.strict_markets";
+    assert_eq!(count_rows(&lake, outputs).await, 0);
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM sw_checkpoints")
+        .fetch_one(lake.control_pool())
+        .await
+        .unwrap();
+    assert_eq!(recorded, 0, "no checkpoint recorded");
+}
+
 /// Files under `dir` whose names end with `suffix`.
 fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     let mut out = Vec::new();

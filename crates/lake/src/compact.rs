@@ -880,7 +880,7 @@ impl Lake {
                 return Err(e);
             }
         };
-        match self.commit_metadata(table, base, new_md, None).await {
+        match self.commit_metadata(base, new_md, None).await {
             Ok(()) => {
                 prep.committed(&io, &listed).await;
                 Ok(snapshot_id)

@@ -35,6 +35,7 @@ use sqlx::any::AnyPoolOptions;
 use crate::config::{LakeConfig, Warehouse};
 use crate::error::{LakeError, Result};
 use crate::layout::{LakeTable, NAMESPACE, SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID};
+use crate::lease::LeaseFence;
 use crate::pinned::PinnedCatalog;
 
 /// Default target size of a data file written by an append: 128 MiB.
@@ -855,7 +856,7 @@ impl Lake {
         identity: &CommitIdentity,
         summary: HashMap<String, String>,
     ) -> Result<AppendOutcome> {
-        self.append_guarded(table, batches, identity, summary, &|| Ok(()))
+        self.append_guarded(table, batches, identity, summary, &|| Ok(()), None)
             .await
     }
 
@@ -864,6 +865,11 @@ impl Lake {
     /// ends the append with its error, retries or not. (A live job's guard is its lease: an
     /// append retried through a catalog outage must not commit once another instance may
     /// have taken the job over.)
+    ///
+    /// With a `fence`, each commit lands only while the fence's lease tenure holds,
+    /// checked in the commit's own transaction (see [`Lake::fence`]); a fence that no
+    /// longer holds ends the append with `Conflict`. The guard says when to stop trying;
+    /// the fence makes sure a commit already under way when the lease was lost is refused.
     pub async fn append_guarded(
         &self,
         table: LakeTable,
@@ -871,6 +877,7 @@ impl Lake {
         identity: &CommitIdentity,
         summary: HashMap<String, String>,
         guard: &(dyn Fn() -> Result<()> + Send + Sync),
+        fence: Option<&LeaseFence>,
     ) -> Result<AppendOutcome> {
         let expected = table.arrow_schema();
         for b in batches {
@@ -897,6 +904,7 @@ impl Lake {
                     &summary,
                     &mut written,
                     guard,
+                    fence,
                 )
                 .await;
             match result {
@@ -924,6 +932,7 @@ impl Lake {
         summary: &HashMap<String, String>,
         written: &mut Option<Vec<DataFile>>,
         guard: &(dyn Fn() -> Result<()> + Send + Sync),
+        fence: Option<&LeaseFence>,
     ) -> Result<AppendOutcome> {
         let current = self.table(table).await?;
         if let Some(snapshot_id) = self.committed(table, &current, identity).await? {
@@ -962,10 +971,8 @@ impl Lake {
             .map_err(|e| LakeError::iceberg("plan append", e))?;
         // Pinned to `current`: a table another writer moved since the identity check is a
         // conflict, retried from that check, never a silent re-apply (see `pinned`).
-        let pinned = PinnedCatalog {
-            inner: self.catalog.as_ref(),
-            base: &current,
-        };
+        let mut pinned = PinnedCatalog::new(self.catalog.as_ref(), &current);
+        pinned.fence = fence.map(|f| (self, f));
         if let Err(e) = guard() {
             *written = Some(files);
             return Err(e);
@@ -992,6 +999,9 @@ impl Lake {
             }
             Err(e) => {
                 *written = Some(files);
+                if let Some(refused) = pinned.take_refusal() {
+                    return Err(refused);
+                }
                 Err(LakeError::iceberg(
                     format!("commit to {}", Self::ident(table)),
                     e,
@@ -1131,6 +1141,7 @@ impl Lake {
                     &summary,
                     &mut files,
                     &|| Ok(()),
+                    None,
                 )
                 .await;
             match result {
@@ -2159,6 +2170,7 @@ pub(crate) mod tests {
                 &CommitIdentity::new("guarded", 1),
                 HashMap::new(),
                 &refused,
+                None,
             )
             .await
             .expect_err("refused at once");
@@ -2179,6 +2191,7 @@ pub(crate) mod tests {
                 &CommitIdentity::new("guarded", 2),
                 HashMap::new(),
                 &late,
+                None,
             )
             .await
             .expect_err("refused before the commit");
@@ -2196,10 +2209,91 @@ pub(crate) mod tests {
             &CommitIdentity::new("guarded", 2),
             HashMap::new(),
             &|| Ok(()),
+            None,
         )
         .await
         .expect("append");
         assert_eq!(snapshots().await, before + 1);
+    }
+
+    /// A fenced append commits only in its lease's tenure, whatever its guard says: once
+    /// another owner took the lease over, even one that has given it up and whose lease the
+    /// first owner then took back, the append is a conflict, commits nothing and leaves no
+    /// metadata file behind. The tenure taken back commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fenced_append_commits_only_in_its_leases_tenure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = initialised(dir.path()).await;
+        let data = events(20);
+        let ttl = std::time::Duration::from_secs(60);
+        let gone = std::time::Duration::ZERO;
+        let append = |fence: LeaseFence, seq: u64| {
+            let (lake, data) = (lake.clone(), data.clone());
+            async move {
+                lake.append_guarded(
+                    LakeTable::Events,
+                    std::slice::from_ref(&data),
+                    &CommitIdentity::new("fenced", seq),
+                    HashMap::new(),
+                    &|| Ok(()),
+                    Some(&fence),
+                )
+                .await
+            }
+        };
+        let state = || async {
+            let t = lake.table(LakeTable::Events).await.expect("table");
+            let location = t.metadata_location().expect("location");
+            let metadata_dir = std::path::Path::new(location.trim_start_matches("file://"))
+                .parent()
+                .expect("metadata directory")
+                .to_path_buf();
+            let metadata_files = std::fs::read_dir(metadata_dir)
+                .expect("metadata directory")
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".metadata.json"))
+                .count();
+            (t.metadata().snapshots().count(), metadata_files)
+        };
+        let a = lake
+            .take_lease("live", "job", "ns", "host:1:a", ttl)
+            .await
+            .expect("lease");
+        append(a.clone(), 1).await.expect("its own tenure commits");
+        // The lease runs out, and b takes it over, then gives it up.
+        lake.take_lease("live", "job", "ns", "host:1:a", gone)
+            .await
+            .expect("renewed, to run out at once");
+        let b = lake
+            .take_lease("live", "job", "ns", "host:1:b", ttl)
+            .await
+            .expect("taken over");
+        assert_eq!(b.generation, a.generation + 1);
+        lake.release_lease("live", "job", "ns", "host:1:b")
+            .await
+            .expect("release");
+        let before = state().await;
+        let e = append(a.clone(), 2)
+            .await
+            .expect_err("b's tenure came between");
+        assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+        assert!(e.message().contains("no longer"), "{e}");
+        assert_eq!(
+            state().await,
+            before,
+            "nothing committed, nothing left behind"
+        );
+        // a takes the lease back: a new tenure, and its fence commits.
+        let again = lake
+            .take_lease("live", "job", "ns", "host:1:a", ttl)
+            .await
+            .expect("taken back");
+        assert_eq!(again.generation, b.generation + 1);
+        append(a, 2)
+            .await
+            .expect_err("the old tenure still refused");
+        append(again, 2).await.expect("the new tenure commits");
+        assert_eq!(state().await.0, before.0 + 1);
     }
 
     /// Two writers with one identity read the table before either commits. iceberg's own
@@ -2236,10 +2330,7 @@ pub(crate) mod tests {
                 .apply(Transaction::new(&stale))
                 .expect("plan")
         };
-        let pinned = PinnedCatalog {
-            inner: lake.catalog.as_ref(),
-            base: &stale,
-        };
+        let pinned = PinnedCatalog::new(lake.catalog.as_ref(), &stale);
         let lost = racer(files.clone()).commit(&pinned).await;
         assert!(
             matches!(&lost, Err(e) if e.kind() == iceberg::ErrorKind::CatalogCommitConflicts),

@@ -52,7 +52,7 @@ pub use layout::{
     LATE_EVENTS_SCHEMA, LakeTable, NAMESPACE, OUTPUT_TIME_COLUMN, OutputTable, REJECTIONS_SCHEMA,
     SUMMARY_BATCH_SEQ, SUMMARY_WRITER_ID,
 };
-pub use lease::lease_owner;
+pub use lease::{LeaseFence, lease_owner};
 pub use lineage::{LINEAGE_COLUMN, LINEAGE_FIELD_ID};
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch, rejection_batch_of};
 pub use maintain::{

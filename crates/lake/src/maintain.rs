@@ -49,7 +49,8 @@ use signalweave_model::ErrorKind;
 use crate::config::Warehouse;
 use crate::error::{LakeError, Result};
 use crate::lake::Lake;
-use crate::layout::{LakeTable, NAMESPACE};
+use crate::layout::LakeTable;
+use crate::lease::LeaseFence;
 
 /// Settings of [`Lake::maintain`]; defaults follow Iceberg's table properties of the
 /// same meaning.
@@ -340,7 +341,6 @@ impl Lake {
     /// expiry's commit, and the holder's check sees the snapshot gone.
     pub(crate) async fn commit_metadata(
         &self,
-        table: LakeTable,
         base: &Table,
         new_md: TableMetadata,
         expiring: Option<&HashSet<i64>>,
@@ -351,10 +351,43 @@ impl Lake {
         let new_loc = MetadataLocation::from_str(base_loc)
             .map_err(ice("parse the metadata location"))?
             .with_next_version()
-            .with_new_metadata(&new_md);
+            .with_new_metadata(&new_md)
+            .to_string();
+        match self
+            .swap_metadata(base, &new_md, &new_loc, expiring, None)
+            .await?
+        {
+            None => Ok(()),
+            Some(why) => Err(LakeError::new(
+                ErrorKind::Conflict,
+                format!("{why} while maintenance prepared its commit"),
+            )),
+        }
+    }
+
+    /// Writes `new_md` at `new_loc` and moves `base`'s catalog pointer to it by
+    /// compare-and-set, in one transaction of the catalog database that also checks
+    /// `expiring` against the holds (see [`Lake::commit_metadata`]) and, first, `fence`
+    /// (see [`Lake::fence`]). `Some(why)` when the commit lost to another writer or to a
+    /// hold: a conflict to retry. An error (a fence that no longer holds is `Conflict`)
+    /// ends the commit. Either way, nothing committed leaves no metadata file behind.
+    pub(crate) async fn swap_metadata(
+        &self,
+        base: &Table,
+        new_md: &TableMetadata,
+        new_loc: &str,
+        expiring: Option<&HashSet<i64>>,
+        fence: Option<&LeaseFence>,
+    ) -> Result<Option<String>> {
+        let base_loc = base.metadata_location().ok_or_else(|| {
+            LakeError::new(ErrorKind::Internal, "the table has no metadata location")
+        })?;
+        let ident = base.identifier();
         let new_loc_s = new_loc.to_string();
+        let parsed =
+            MetadataLocation::from_str(new_loc).map_err(ice("parse the metadata location"))?;
         new_md
-            .write_to(base.file_io(), &new_loc)
+            .write_to(base.file_io(), &parsed)
             .await
             .map_err(ice("write table metadata"))?;
         let sql = if self.config().is_sqlite() {
@@ -375,6 +408,9 @@ impl Lake {
             }
         };
         let checked = async {
+            if let Some(fence) = fence {
+                self.fence(&mut tx, fence).await?;
+            }
             if expiring.is_some() && !self.config().is_sqlite() {
                 sqlx::query("LOCK TABLE sw_snapshot_holds IN SHARE MODE")
                     .execute(&mut *tx)
@@ -385,55 +421,43 @@ impl Lake {
                 .bind(new_loc_s.as_str())
                 .bind(base_loc)
                 .bind(self.config().catalog_name.as_str())
-                .bind(table.name())
-                .bind(NAMESPACE)
+                .bind(ident.name())
+                .bind(ident.namespace().join("."))
                 .bind(base_loc)
                 .execute(&mut *tx)
                 .await
                 .map_err(sql_error("swap the table's metadata pointer"))?
                 .rows_affected();
             if swapped == 0 {
-                return Ok(Some(format!(
-                    "{} changed while maintenance prepared its commit",
-                    table.name()
-                )));
+                return Ok(Some(format!("{} changed", ident.name())));
             }
             let Some(removed) = expiring else {
                 return Ok(None);
             };
             let held: HashSet<i64> = sqlx::query_as::<_, (i64,)>(self.holds_sql())
                 .bind(self.config().catalog_name.as_str())
-                .bind(table.name())
+                .bind(ident.name())
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(sql_error("read snapshot holds"))?
                 .into_iter()
                 .map(|(id,)| id)
                 .collect();
-            Ok(held_among(base.metadata(), &held, removed).map(|id| {
-                format!(
-                    "{}: snapshot {id} was held while expiry prepared a commit that removes it",
-                    table.name()
-                )
-            }))
+            Ok(held_among(base.metadata(), &held, removed)
+                .map(|id| format!("{}: snapshot {id} was held", ident.name())))
         }
         .await;
         // Refused or failed before its commit, the transaction is rolled back and the
         // metadata file is garbage. (A failed commit may still have taken: its file stays.)
-        let refused = match checked {
-            Ok(None) => None,
-            Ok(Some(why)) => Some(LakeError::new(ErrorKind::Conflict, why)),
-            Err(e) => Some(e),
-        };
-        if let Some(e) = refused {
+        if !matches!(checked, Ok(None)) {
             let _ = tx.rollback().await;
             let _ = base.file_io().delete(&new_loc_s).await;
-            return Err(e);
+            return checked;
         }
         tx.commit()
             .await
             .map_err(sql_error("commit the metadata pointer"))?;
-        Ok(())
+        Ok(None)
     }
 
     /// One maintenance pass over `table`: merge manifests, expire snapshots and delete
@@ -573,7 +597,7 @@ impl Lake {
                 .build()
                 .map_err(ice("build table metadata"))?
                 .metadata;
-            match self.commit_metadata(table, &base, new_md, None).await {
+            match self.commit_metadata(&base, new_md, None).await {
                 Ok(()) => {
                     report.merge_snapshot = Some(p.snapshot_id);
                     report.manifests_after = after;
@@ -1059,7 +1083,7 @@ impl Lake {
             )
             .await?;
             let expiring = (!override_holds).then_some(&removed);
-            match self.commit_metadata(table, &base, new_md, expiring).await {
+            match self.commit_metadata(&base, new_md, expiring).await {
                 Ok(()) => {
                     report.snapshots_expired += remove.len();
                     // What only the removed snapshots referenced is garbage now.
@@ -1358,7 +1382,7 @@ mod tests {
                 .await
                 .expect("hold");
             let e = lake
-                .commit_metadata(LakeTable::Events, &base, new_md(), Some(&removed))
+                .commit_metadata(&base, new_md(), Some(&removed))
                 .await
                 .expect_err("a held snapshot is not removed");
             assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
@@ -1369,7 +1393,7 @@ mod tests {
         lake.hold_snapshot(LakeTable::Events, "late-holder", ids[2].1)
             .await
             .expect("hold");
-        lake.commit_metadata(LakeTable::Events, &base, new_md(), Some(&removed))
+        lake.commit_metadata(&base, new_md(), Some(&removed))
             .await
             .expect("nothing removed is held");
         assert_eq!(snapshots().await, 2);

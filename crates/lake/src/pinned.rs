@@ -9,18 +9,52 @@
 //! append's requirement (the main branch still at that table's snapshot) is checked
 //! against the catalog's current table: a moved table is a commit conflict, which
 //! [`crate::Lake::append`] retries from the identity check.
+//!
+//! An append fenced by a lease ([`crate::LeaseFence`]) commits through the lake's own
+//! compare-and-set ([`Lake::swap_metadata`]) rather than the catalog's: the catalog's
+//! commit is a statement of its own, and the fence is checked in the same transaction as
+//! the pointer's move.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use async_trait::async_trait;
 use iceberg::table::Table;
-use iceberg::{Catalog, Namespace, NamespaceIdent, Result, TableCommit, TableCreation, TableIdent};
+use iceberg::{
+    Catalog, Error, ErrorKind, Namespace, NamespaceIdent, Result, TableCommit, TableCreation,
+    TableIdent,
+};
 
-/// `inner`, except that loading `base`'s table returns `base`.
+use crate::error::LakeError;
+use crate::lake::Lake;
+use crate::lease::LeaseFence;
+
+/// `inner`, except that loading `base`'s table returns `base`, and that with a `fence`,
+/// commits are checked against it.
 #[derive(Debug)]
 pub(crate) struct PinnedCatalog<'a> {
     pub inner: &'a dyn Catalog,
     pub base: &'a Table,
+    pub fence: Option<(&'a Lake, &'a LeaseFence)>,
+    /// Why a fenced commit was refused (or failed), as the lake says it: iceberg's error
+    /// carries only its text.
+    pub refused: Mutex<Option<LakeError>>,
+}
+
+impl<'a> PinnedCatalog<'a> {
+    pub fn new(inner: &'a dyn Catalog, base: &'a Table) -> Self {
+        Self {
+            inner,
+            base,
+            fence: None,
+            refused: Mutex::new(None),
+        }
+    }
+
+    /// The lake's error behind a refused fenced commit, if that is why it failed.
+    pub fn take_refusal(&self) -> Option<LakeError> {
+        self.refused.lock().ok().and_then(|mut r| r.take())
+    }
 }
 
 #[async_trait]
@@ -100,6 +134,29 @@ impl Catalog for PinnedCatalog<'_> {
     }
 
     async fn update_table(&self, commit: TableCommit) -> Result<Table> {
-        self.inner.update_table(commit).await
+        let Some((lake, fence)) = self.fence else {
+            return self.inner.update_table(commit).await;
+        };
+        let current = self.inner.load_table(commit.identifier()).await?;
+        let staged = commit.apply(current.clone())?;
+        let location = staged.metadata_location_result()?.to_string();
+        match lake
+            .swap_metadata(&current, staged.metadata(), &location, None, Some(fence))
+            .await
+        {
+            Ok(None) => Ok(staged),
+            Ok(Some(why)) => Err(Error::new(
+                ErrorKind::CatalogCommitConflicts,
+                format!("commit conflicted: {why}"),
+            )
+            .with_retryable(true)),
+            Err(e) => {
+                let message = e.to_string();
+                if let Ok(mut r) = self.refused.lock() {
+                    *r = Some(e);
+                }
+                Err(Error::new(ErrorKind::Unexpected, message))
+            }
+        }
     }
 }

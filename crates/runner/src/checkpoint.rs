@@ -17,7 +17,7 @@
 //! newer than the pointer that no sink commit made current (a crash's leftovers).
 
 use serde::{Deserialize, Serialize};
-use signalweave_lake::Lake;
+use signalweave_lake::{Lake, LeaseFence};
 use signalweave_model::ErrorKind;
 use signalweave_window::Emissions;
 
@@ -208,8 +208,31 @@ impl CheckpointStore {
         format!("job:{}:{}", self.job, self.namespace)
     }
 
-    /// Writes `checkpoint`'s blob and records it as prepared (not yet current).
-    pub async fn write(&self, checkpoint: &Checkpoint) -> Result<CheckpointRef> {
+    /// A transaction of the catalog database, fenced by `fence` when there is one (see
+    /// [`Lake::fence`]): what it writes lands only in the lease's tenure.
+    async fn begin(
+        &self,
+        fence: Option<&LeaseFence>,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
+        let mut tx = self
+            .lake
+            .control_pool()
+            .begin()
+            .await
+            .map_err(|e| RunnerError::sql("begin a checkpoint's record", e))?;
+        if let Some(fence) = fence {
+            self.lake.fence(&mut tx, fence).await?;
+        }
+        Ok(tx)
+    }
+
+    /// Writes `checkpoint`'s blob and records it as prepared (not yet current), in
+    /// `fence`'s lease tenure when there is one.
+    pub async fn write(
+        &self,
+        checkpoint: &Checkpoint,
+        fence: Option<&LeaseFence>,
+    ) -> Result<CheckpointRef> {
         let t = std::time::Instant::now();
         let bytes = checkpoint.to_bytes()?;
         let size = bytes.len() as u64;
@@ -226,31 +249,17 @@ impl CheckpointStore {
         tracing::debug!(job = %self.job, epoch = checkpoint.epoch, encoded_ms, written_ms = t.elapsed().as_millis() - encoded_ms, "checkpoint blob");
         // A crash's leftover row for the same epoch is replaced (its blob is deleted below).
         let old = self.row(checkpoint.epoch).await?;
-        sqlx::query(
-            &self.q("DELETE FROM sw_checkpoints WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4"),
-        )
-        .bind(self.catalog())
-        .bind(&self.job)
-        .bind(&self.namespace)
-        .bind(checkpoint.epoch as i64)
-        .execute(self.lake.control_pool())
-        .await
-        .map_err(|e| RunnerError::sql("replace a prepared checkpoint", e))?;
-        sqlx::query(&self.q(
-            "INSERT INTO sw_checkpoints (catalog_name, job, namespace, epoch, location, source_position, blob_bytes, created_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        ))
-        .bind(self.catalog())
-        .bind(&self.job)
-        .bind(&self.namespace)
-        .bind(checkpoint.epoch as i64)
-        .bind(&location)
-        .bind(checkpoint.position)
-        .bind(size as i64)
-        .bind(checkpoint.created_ms)
-        .execute(self.lake.control_pool())
-        .await
-        .map_err(|e| RunnerError::sql("record a checkpoint", e))?;
+        let recorded = self.record(checkpoint, &location, size, fence).await;
+        if let Err(e) = recorded {
+            // Refused (a fence that no longer holds), the blob is garbage: nothing names
+            // it. (Another failure may have come after the commit took.)
+            if e.kind() == ErrorKind::Conflict
+                && let Err(d) = self.lake.delete_blob(&location).await
+            {
+                tracing::warn!(%location, error = %d, "could not delete an unrecorded checkpoint blob");
+            }
+            return Err(e);
+        }
         if let Some(old) = old
             && old.location != location
             && let Err(e) = self.lake.delete_blob(&old.location).await
@@ -264,6 +273,46 @@ impl CheckpointStore {
             bytes: size,
             created_ms: checkpoint.created_ms,
         })
+    }
+
+    /// Records `checkpoint`, its blob at `location`, as prepared: one transaction replaces
+    /// a crash's leftover row of the same epoch.
+    async fn record(
+        &self,
+        checkpoint: &Checkpoint,
+        location: &str,
+        size: u64,
+        fence: Option<&LeaseFence>,
+    ) -> Result<()> {
+        let mut tx = self.begin(fence).await?;
+        sqlx::query(
+            &self.q("DELETE FROM sw_checkpoints WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4"),
+        )
+        .bind(self.catalog())
+        .bind(&self.job)
+        .bind(&self.namespace)
+        .bind(checkpoint.epoch as i64)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| RunnerError::sql("replace a prepared checkpoint", e))?;
+        sqlx::query(&self.q(
+            "INSERT INTO sw_checkpoints (catalog_name, job, namespace, epoch, location, source_position, blob_bytes, created_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        ))
+        .bind(self.catalog())
+        .bind(&self.job)
+        .bind(&self.namespace)
+        .bind(checkpoint.epoch as i64)
+        .bind(location)
+        .bind(checkpoint.position)
+        .bind(size as i64)
+        .bind(checkpoint.created_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| RunnerError::sql("record a checkpoint", e))?;
+        tx.commit()
+            .await
+            .map_err(|e| RunnerError::sql("commit a checkpoint's record", e))
     }
 
     /// The current epoch (None: the job has never checkpointed).
@@ -280,10 +329,17 @@ impl CheckpointStore {
         Ok(row.map(|(e,)| e as u64))
     }
 
-    /// Moves the pointer from `from` to `to` by compare-and-set. `Conflict` when it was
-    /// not at `from` (another instance of the job moved it).
-    pub async fn advance(&self, from: Option<u64>, to: u64) -> Result<()> {
+    /// Moves the pointer from `from` to `to` by compare-and-set, in `fence`'s lease
+    /// tenure when there is one. `Conflict` when it was not at `from` (another instance of
+    /// the job moved it), or when the fence no longer holds.
+    pub async fn advance(
+        &self,
+        from: Option<u64>,
+        to: u64,
+        fence: Option<&LeaseFence>,
+    ) -> Result<()> {
         let now = chrono::Utc::now().timestamp_millis();
+        let mut tx = self.begin(fence).await?;
         let moved = match from {
             None => sqlx::query(&self.q(
                 "INSERT INTO sw_checkpoint_pointers (catalog_name, job, namespace, epoch, updated_ms) VALUES ($1, $2, $3, $4, $5)",
@@ -293,7 +349,7 @@ impl CheckpointStore {
             .bind(&self.namespace)
             .bind(to as i64)
             .bind(now)
-            .execute(self.lake.control_pool())
+            .execute(&mut *tx)
             .await
             .map(|r| r.rows_affected())
             .or_else(|e| match e {
@@ -310,24 +366,28 @@ impl CheckpointStore {
             .bind(&self.job)
             .bind(&self.namespace)
             .bind(from as i64)
-            .execute(self.lake.control_pool())
+            .execute(&mut *tx)
             .await
             .map_err(|e| RunnerError::sql("move the checkpoint pointer", e))?
             .rows_affected(),
         };
-        if moved != 1 {
-            return Err(RunnerError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "the checkpoint pointer of {}/{} is no longer at epoch {}: another instance of the job is running",
-                    self.job,
-                    self.namespace,
-                    from.map(|e| e.to_string())
-                        .unwrap_or_else(|| "(none)".into())
-                ),
-            ));
+        if moved == 1 {
+            return tx
+                .commit()
+                .await
+                .map_err(|e| RunnerError::sql("commit the checkpoint pointer", e));
         }
-        Ok(())
+        let _ = tx.rollback().await;
+        Err(RunnerError::new(
+            ErrorKind::Conflict,
+            format!(
+                "the checkpoint pointer of {}/{} is no longer at epoch {}: another instance of the job is running",
+                self.job,
+                self.namespace,
+                from.map(|e| e.to_string())
+                    .unwrap_or_else(|| "(none)".into())
+            ),
+        ))
     }
 
     async fn row(&self, epoch: u64) -> Result<Option<CheckpointRef>> {

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
-use signalweave_lake::{COMMIT_IDENTITY_TTL_MS, CommitIdentity, Lake, LakeTable};
+use signalweave_lake::{COMMIT_IDENTITY_TTL_MS, CommitIdentity, Lake, LakeTable, LeaseFence};
 use signalweave_model::ErrorKind;
 use signalweave_window::{Emissions, EngineConfig, JobSpec, WindowEngine};
 
@@ -168,6 +168,10 @@ struct LeaseKeeper {
     job: String,
     namespace: String,
     owner: String,
+    /// The tenure this keeper took: every catalog write of the job is fenced by it, so
+    /// none lands once another instance has taken the job over, however long this one
+    /// was paused.
+    fence: LeaseFence,
 }
 
 /// When a renewal was sent: on the monotonic clock, and on the wall clock the lease's
@@ -206,13 +210,13 @@ impl LeaseKeeper {
     async fn take(lake: &Lake, job: &str, namespace: &str, owner: &str) -> Result<Self> {
         let deadline = Instant::now() + LIVE_LEASE_TTL + Duration::from_secs(1);
         let mut sent;
-        loop {
+        let fence = loop {
             sent = Renewal::now();
             match lake
                 .take_lease(LIVE_LEASE, job, namespace, owner, LIVE_LEASE_TTL)
                 .await
             {
-                Ok(()) => break,
+                Ok(fence) => break fence,
                 Err(e) if e.kind() == ErrorKind::Conflict && Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
@@ -224,16 +228,17 @@ impl LeaseKeeper {
                 }
                 Err(e) => return Err(e.into()),
             }
-        }
+        };
         let lost = Arc::new(AtomicBool::new(false));
         let broken = Arc::new(AtomicBool::new(false));
         let renewed = Arc::new(Mutex::new(sent));
         let task = {
-            let (lake, job, namespace, owner) = (
+            let (lake, job, namespace, owner, generation) = (
                 lake.clone(),
                 job.to_string(),
                 namespace.to_string(),
                 owner.to_string(),
+                fence.generation,
             );
             let (lost, broken, renewed) =
                 (Arc::clone(&lost), Arc::clone(&broken), Arc::clone(&renewed));
@@ -245,7 +250,10 @@ impl LeaseKeeper {
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
                         .await
                     {
-                        Ok(()) => record(&renewed, &broken, sent),
+                        Ok(taken) => {
+                            renewed_in(&taken, generation, &broken);
+                            record(&renewed, &broken, sent)
+                        }
                         Err(e) if e.kind() == ErrorKind::Conflict => {
                             tracing::error!(job, namespace, error = %e, "the live job's lease was taken");
                             lost.store(true, Ordering::SeqCst);
@@ -268,6 +276,7 @@ impl LeaseKeeper {
             job: job.to_string(),
             namespace: namespace.to_string(),
             owner: owner.to_string(),
+            fence,
         })
     }
 
@@ -348,7 +357,10 @@ impl LeaseKeeper {
                     )
                     .await
                 {
-                    Ok(()) => record(&self.renewed, &self.broken, sent),
+                    Ok(taken) => {
+                        renewed_in(&taken, self.fence.generation, &self.broken);
+                        record(&self.renewed, &self.broken, sent)
+                    }
                     Err(r) if r.kind() == ErrorKind::Conflict => {
                         self.lost.store(true, Ordering::SeqCst);
                     }
@@ -377,6 +389,16 @@ impl LeaseKeeper {
 const LIVE_LEASE_CONTINUITY: Duration = Duration::from_millis(
     LIVE_LEASE_TTL.as_millis() as u64 - LIVE_LEASE_COMMIT_WITHIN.as_millis() as u64 / 2,
 );
+
+/// Marks the keeper `broken` when a renewal took the lease in another tenure than the
+/// keeper's `generation`: another instance held it in between, so this one's state is not
+/// to be trusted (and its fence refuses its writes).
+fn renewed_in(taken: &LeaseFence, generation: i64, broken: &AtomicBool) {
+    if taken.generation != generation {
+        tracing::warn!(job = %taken.job, namespace = %taken.namespace, generation, now = taken.generation, "the live job's lease was held by another instance in between");
+        broken.store(true, Ordering::SeqCst);
+    }
+}
 
 /// Records a renewal sent at `sent` that the database took (never moving it back); marks
 /// the keeper `broken` when it came too long after the one before (see
@@ -625,7 +647,9 @@ impl LiveJob {
                 out_snapshot = job.commit_sink(&checkpoint, false).await?;
             }
             if let Some(from) = rolled_from {
-                job.store.advance(from, epoch).await?;
+                job.store
+                    .advance(from, epoch, Some(&job.lease.fence))
+                    .await?;
             }
             job.expire_erasures();
             job.hold(out_snapshot).await?;
@@ -932,7 +956,10 @@ impl LiveJob {
             created_ms: chrono::Utc::now().timestamp_millis(),
         };
         let encoded_at = Instant::now();
-        let written = self.store.write(&checkpoint).await?;
+        let written = self
+            .store
+            .write(&checkpoint, Some(&self.lease.fence))
+            .await?;
         tracing::debug!(job = %self.spec.name, epoch, bytes = written.bytes, snapshot_and_write_ms = (encoded_at - started).as_millis() + encoded_at.elapsed().as_millis(), "checkpoint written");
         self.fault(FaultStage::AfterCheckpoint, epoch);
         // The sink commit is the commit point: never after another instance took over.
@@ -953,7 +980,11 @@ impl LiveJob {
         let visible_at = now_us();
         self.fault(FaultStage::AfterSinkCommit, epoch);
         self.store
-            .advance(Some(self.epoch).filter(|e| *e > 0), epoch)
+            .advance(
+                Some(self.epoch).filter(|e| *e > 0),
+                epoch,
+                Some(&self.lease.fence),
+            )
             .await?;
         self.epoch = epoch;
         self.checkpointed_position = self.position;
@@ -1071,9 +1102,14 @@ impl LiveJob {
             let lease = &self.lease;
             let outcome = self
                 .lake
-                .append_guarded(self.output, &[batch], &identity, summary.clone(), &|| {
-                    lease.guard()
-                })
+                .append_guarded(
+                    self.output,
+                    &[batch],
+                    &identity,
+                    summary.clone(),
+                    &|| lease.guard(),
+                    Some(&lease.fence),
+                )
                 .await?;
             out_snapshot = Some(outcome.snapshot_id);
         }
@@ -1116,9 +1152,14 @@ impl LiveJob {
         self.lease.ensure().await?;
         let lease = &self.lease;
         self.lake
-            .append_guarded(LakeTable::LateEvents, &[batch], &identity, summary, &|| {
-                lease.guard()
-            })
+            .append_guarded(
+                LakeTable::LateEvents,
+                &[batch],
+                &identity,
+                summary,
+                &|| lease.guard(),
+                Some(&lease.fence),
+            )
             .await?;
         Ok(())
     }
