@@ -871,6 +871,8 @@ async fn a_fenced_transaction_shuts_a_takeover_out_until_it_ends() {
             )
             .await
             .unwrap();
+        // Run out: a takeover needs the lease's end to be past.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         let mut tx = lake.control_pool().begin().await.unwrap();
         lake.fence(&mut tx, &a).await.unwrap();
         let taker = {

@@ -910,8 +910,13 @@ impl Lake {
             match result {
                 Ok(outcome) => return Ok(outcome),
                 Err(e) if e.retryable() && attempt < DEFAULT_APPEND_ATTEMPTS => {
-                    // A guard that says no now ends the append at once, not after a pause.
+                    // A guard that says no now ends the append at once, not after a pause,
+                    // and so does a fence that no longer holds (each attempt would write
+                    // its manifests for nothing).
                     guard()?;
+                    if let Some(fence) = fence {
+                        self.check_fence(fence).await?;
+                    }
                     if e.kind() != ErrorKind::Conflict {
                         tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");
                     }
@@ -2264,6 +2269,7 @@ pub(crate) mod tests {
         lake.take_lease("live", "job", "ns", "host:1:a", gone)
             .await
             .expect("renewed, to run out at once");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         let b = lake
             .take_lease("live", "job", "ns", "host:1:b", ttl)
             .await
@@ -2273,9 +2279,27 @@ pub(crate) mod tests {
             .await
             .expect("release");
         let before = state().await;
+        let files = |dir: &std::path::Path| {
+            let mut n = 0;
+            let mut stack = vec![dir.to_path_buf()];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(d).expect("read dir").flatten() {
+                    if e.path().is_dir() {
+                        stack.push(e.path());
+                    } else {
+                        n += 1;
+                    }
+                }
+            }
+            n
+        };
+        let files_before = files(dir.path());
         let e = append(a.clone(), 2)
             .await
             .expect_err("b's tenure came between");
+        // One attempt, not retried: its data file and its manifests are all it wrote.
+        let written = files(dir.path()) - files_before;
+        assert!(written <= 3, "{written} files written");
         assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
         assert!(e.message().contains("no longer"), "{e}");
         assert_eq!(

@@ -90,13 +90,22 @@ impl Lake {
                     .execute(self.control_pool())
                     .await
                     .is_ok();
-                if !has_generation {
-                    sqlx::query(
+                if !has_generation
+                    && let Err(e) = sqlx::query(
                         "ALTER TABLE sw_leases ADD COLUMN generation BIGINT NOT NULL DEFAULT 0",
                     )
                     .execute(self.control_pool())
                     .await
-                    .map_err(|e| LakeError::sql("add sw_leases.generation", e))?;
+                {
+                    // Another process may have added it meanwhile (the DDL lock does not
+                    // reach across processes on SQLite).
+                    let added = sqlx::query("SELECT generation FROM sw_leases WHERE 1 = 0")
+                        .execute(self.control_pool())
+                        .await
+                        .is_ok();
+                    if !added {
+                        return Err(LakeError::sql("add sw_leases.generation", e));
+                    }
                 }
                 Ok::<_, LakeError>(())
             })
@@ -247,11 +256,24 @@ impl Lake {
         Err(LakeError::new(
             ErrorKind::Conflict,
             format!(
-                "the lease of {} ({}) is no longer {}'s (generation {}): another instance took \
-                 the job over, and this write was refused",
+                "the lease of {} ({}) is no longer {}'s: it has been taken over since tenure {} \
+                 began, and this write was refused",
                 fence.job, fence.namespace, fence.owner, fence.generation
             ),
         ))
+    }
+
+    /// Whether `fence`'s tenure still holds its lease now ([`Lake::fence`] in a
+    /// transaction of its own, rolled back).
+    pub async fn check_fence(&self, fence: &LeaseFence) -> Result<()> {
+        let mut tx = self
+            .control_pool()
+            .begin()
+            .await
+            .map_err(|e| LakeError::sql("begin a lease check", e))?;
+        let held = self.fence(&mut tx, fence).await;
+        let _ = tx.rollback().await;
+        held
     }
 
     /// Gives a lease up (a clean stop), so the next owner need not wait for it.

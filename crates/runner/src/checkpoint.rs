@@ -465,8 +465,17 @@ impl CheckpointStore {
 
     /// Applies the retention rule around the current epoch `current`: keeps it and the
     /// `keep` newest before it; deletes older checkpoints and every prepared one newer
-    /// than `current`. Returns how many it deleted.
-    pub async fn retire(&self, current: u64, keep: usize) -> Result<usize> {
+    /// than `current`. Returns how many it deleted. With a `fence`, only in its lease's
+    /// tenure: the newer ones may be another instance's, once it has taken the job over.
+    pub async fn retire(
+        &self,
+        current: u64,
+        keep: usize,
+        fence: Option<&LeaseFence>,
+    ) -> Result<usize> {
+        // Fenced first: from here to the commit no other tenure writes, so the list read
+        // next is the one the deletes apply to.
+        let mut tx = self.begin(fence).await?;
         let all = self.list().await?;
         let mut older_kept = 0;
         let mut doomed = Vec::new();
@@ -482,7 +491,6 @@ impl CheckpointStore {
             }
         }
         for r in &doomed {
-            // The row goes first: a row never names a deleted blob.
             sqlx::query(
                 &self.q(
                     "DELETE FROM sw_checkpoints WHERE catalog_name = $1 AND job = $2 AND namespace = $3 AND epoch = $4",
@@ -492,9 +500,15 @@ impl CheckpointStore {
             .bind(&self.job)
             .bind(&self.namespace)
             .bind(r.epoch as i64)
-            .execute(self.lake.control_pool())
+            .execute(&mut *tx)
             .await
             .map_err(|e| RunnerError::sql("delete a checkpoint", e))?;
+        }
+        tx.commit()
+            .await
+            .map_err(|e| RunnerError::sql("commit a checkpoint's retirement", e))?;
+        // The rows went first: a row never names a deleted blob.
+        for r in &doomed {
             if let Err(e) = self.lake.delete_blob(&r.location).await {
                 tracing::warn!(location = %r.location, error = %e, "could not delete a checkpoint blob");
             }

@@ -168,9 +168,11 @@ struct LeaseKeeper {
     job: String,
     namespace: String,
     owner: String,
-    /// The tenure this keeper took: every catalog write of the job is fenced by it, so
-    /// none lands once another instance has taken the job over, however long this one
-    /// was paused.
+    /// The tenure this keeper took. The job's writes that another instance's work could
+    /// be lost to are fenced by it (a checkpoint's record, the sink's commits, the pointer,
+    /// the retirement of checkpoints), so none lands once another instance has taken the
+    /// job over, however long this one was paused. (Its snapshot holds are not: a stale
+    /// one keeps more, never less.)
     fence: LeaseFence,
 }
 
@@ -675,7 +677,11 @@ impl LiveJob {
         }
         let retired = job
             .store
-            .retire(job.epoch, job.config.keep_checkpoints)
+            .retire(
+                job.epoch,
+                job.config.keep_checkpoints,
+                Some(&job.lease.fence),
+            )
             .await?;
         if retired > 0 {
             tracing::debug!(job = %job.spec.name, retired, "retired checkpoints");
@@ -998,7 +1004,11 @@ impl LiveJob {
                     .observe(secs);
             }
         }
-        if let Err(e) = self.store.retire(epoch, self.config.keep_checkpoints).await {
+        if let Err(e) = self
+            .store
+            .retire(epoch, self.config.keep_checkpoints, Some(&self.lease.fence))
+            .await
+        {
             tracing::warn!(job = %self.spec.name, error = %e, "could not retire old checkpoints");
         }
         self.metrics
