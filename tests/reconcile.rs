@@ -641,6 +641,115 @@ fn windows_not_final_are_pending_not_matched() {
     assert!(verdict(&o).contains(" match "), "{}", verdict(&o));
 }
 
+/// The oracle's sums are exact. Three orders of one market and minute whose amounts add
+/// up past the range of a 64-bit integer make a sum the output cannot hold (the engine's
+/// wraps): that window is a mismatch, with the exact sum beside the output's, and every
+/// other window matches. And a job that has written nothing is not NOTHING FINAL: its
+/// windows are a `no_outputs` finding.
+#[test]
+fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let file = dir.path().join("events.ndjson");
+    ok(sw(&lake)
+        .args(["fixtures", "generate", "--out"])
+        .arg(&file)
+        .args([
+            "--events",
+            "2000",
+            "--events-per-sec",
+            "2",
+            "--late-fraction",
+            "0",
+            "--dup-fraction",
+            "0",
+        ])
+        .output()
+        .unwrap());
+    let mut events: Vec<Value> = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The first market and minute (of the first ten) with three orders placed.
+    let minute = |e: &Value| e["event_time"].as_str().unwrap()[..16].to_string();
+    let mut seen: std::collections::HashMap<(String, String), Vec<usize>> = Default::default();
+    for (i, e) in events.iter().enumerate() {
+        if e["event_type"] == "order_placed" && minute(e).as_str() < "2026-01-01T00:10" {
+            seen.entry((e["market_id"].as_str().unwrap().to_string(), minute(e)))
+                .or_default()
+                .push(i);
+        }
+    }
+    let (market, at) = seen
+        .iter()
+        .filter(|(_, v)| v.len() >= 3)
+        .map(|(k, _)| k.clone())
+        .min()
+        .expect("a market and minute with three orders placed");
+    for &i in &seen[&(market.clone(), at.clone())][..3] {
+        events[i]["payload"]["amount_minor"] = Value::from(4_000_000_000_000_000_000_i64);
+    }
+    let text: String = events.iter().map(|e| e.to_string() + "\n").collect();
+    std::fs::write(&file, text).unwrap();
+    ok(sw(&lake)
+        .arg("load")
+        .arg(&file)
+        .args(["--chunk-records", "200"])
+        .output()
+        .unwrap());
+    let run = |out: &str| {
+        let o = sw(&lake)
+            .args(["reconcile", "--job", "market_aggregates"])
+            .args([
+                "--from",
+                "2026-01-01T00:00:00Z",
+                "--to",
+                "2026-01-01T00:10:00Z",
+                "--out",
+            ])
+            .arg(dir.path().join(out))
+            .output()
+            .unwrap();
+        let json = std::fs::read_to_string(dir.path().join(out).join("report.json")).unwrap();
+        (o, serde_json::from_str::<Value>(&json).unwrap())
+    };
+    // Before the job has run.
+    let (o, r) = run("before");
+    assert_eq!(o.status.code(), Some(1), "{}", r["findings"]);
+    assert_eq!(finding_kinds(&r), ["no_outputs"], "{}", r["findings"]);
+    assert!(u(&r, "/findings/0/count") > 0, "{}", r["findings"]);
+    // After.
+    ok(sw(&lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/market_aggregates.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap());
+    let (o, r) = run("after");
+    assert_eq!(o.status.code(), Some(1), "{}", r["findings"]);
+    assert_eq!(u(&r, "/windows/mismatched"), 1, "{}", r["windows"]);
+    assert!(u(&r, "/windows/matched") > 0, "{}", r["windows"]);
+    let d = &r["differences"][0];
+    assert_eq!(d["key"], market.as_str(), "{d}");
+    assert!(d["window_start"].as_str().unwrap().starts_with(&at), "{d}");
+    let column = d["columns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c[0] == "placed_amount_minor")
+        .unwrap_or_else(|| panic!("{d}"));
+    let exact = column[2].as_f64().unwrap();
+    assert!(exact >= 1.2e19, "the oracle's sum is exact: {column}");
+    assert!(
+        column[1].as_f64().unwrap() < 9.3e18,
+        "the output's wrapped: {column}"
+    );
+}
+
 fn plan_json(args: &[&str]) -> (i32, Value) {
     let o = sw(Path::new("unused"))
         .args(["plan", "--sheet"])

@@ -62,7 +62,7 @@ pub struct ReconcileRequest {
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Finding {
     /// `window_mismatch`, `window_missing`, `window_extra`, `window_not_final`,
-    /// `version_repeated`, `late_not_routed`, `routed_late_but_counted`,
+    /// `version_repeated`, `late_not_routed`, `routed_late_but_counted`, `no_outputs`,
     /// `unaccounted_events`.
     pub kind: String,
     /// How many.
@@ -364,6 +364,11 @@ fn ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
+/// The first figure of a one-row answer, as a count.
+fn get_first(v: &[i64]) -> u64 {
+    v.first().copied().unwrap_or(0).max(0) as u64
+}
+
 /// A column of `batch` as Utf8 values.
 fn strings(batch: &RecordBatch, i: usize) -> Result<Vec<Option<String>>> {
     let c = arrow::compute::cast(batch.column(i), &DataType::Utf8)
@@ -540,6 +545,23 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     )
     .map_err(|e| AuditError::datafusion("register audit_events", e))?;
     let out = request.output.name();
+    // A job that has never committed has no output table yet: it reads as empty (and its
+    // windows are then a finding, below), not as an error.
+    if let Err(e) = lake.table(request.output).await {
+        if e.kind() != ErrorKind::NotFound {
+            return Err(e.into());
+        }
+        let empty = datafusion::datasource::MemTable::try_new(
+            request.output.arrow_schema(),
+            vec![Vec::new()],
+        )
+        .map_err(|e| AuditError::datafusion("an empty output table", e))?;
+        ctx.register_table(
+            datafusion::sql::TableReference::full(SQL_CATALOG, NAMESPACE, out),
+            Arc::new(empty),
+        )
+        .map_err(|e| AuditError::datafusion("register the empty output table", e))?;
+    }
     let job = quote(&spec.name);
     let ns = quote(&request.namespace);
     let in_scope = rules.in_scope();
@@ -795,8 +817,11 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
             AggregateFunction::Count => {
                 format!("CAST(count(CASE WHEN {cond} THEN {col} END) AS BIGINT)")
             }
+            // Exact: a sum past the range of a 64-bit integer is a sum the outputs cannot
+            // hold, and the comparison says so (the engine's sums wrap, as DataFusion's
+            // would in BIGINT, so both sides would agree on the wrong figure).
             AggregateFunction::Sum => {
-                format!("CAST(sum(CASE WHEN {cond} THEN {col} END) AS BIGINT)")
+                format!("sum(CASE WHEN {cond} THEN CAST({col} AS DECIMAL(38, 0)) END)")
             }
             AggregateFunction::Min => {
                 format!("CAST(min(CASE WHEN {cond} THEN {col} END) AS BIGINT)")
@@ -884,6 +909,15 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let job_watermark = match job_wm.as_slice() {
         [wm, n, ..] if *n > 0 => Some(*wm),
         _ => None,
+    };
+    // With no output at all, the job's progress is unknown and every window would be
+    // pending: a job that wrote nothing would read as NOTHING FINAL. The oracle's windows
+    // it has nothing for are a finding of their own.
+    let silent = match job_watermark {
+        Some(_) => 0,
+        None => {
+            get_first(&one_row(&ctx, "oracle windows", "SELECT count(*) FROM audit_oracle").await?)
+        }
     };
     // 7. Comparison.
     let mut same = vec!["o.we = r.we".to_string(), "o.events = r.events".to_string()];
@@ -1162,6 +1196,13 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         "routed_late_but_counted",
         late.routed_but_counted_count,
         "late_events records the oracle does not find late".into(),
+    );
+    find(
+        "no_outputs",
+        silent,
+        "windows the oracle finds while the output table holds no row at all: the job has \
+         written nothing, so its progress is unknown and nothing could be compared"
+            .into(),
     );
     find(
         "unaccounted_events",
