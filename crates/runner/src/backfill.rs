@@ -998,23 +998,47 @@ pub async fn create(
         rate_limit: request.budgets.records_per_sec,
         last_error: None,
     };
-    if let Some(s) = snapshot_id {
-        // (Refused, the hold names a snapshot that is gone, which keeps nothing.)
-        lake.hold_present_snapshot(LakeTable::Events, &record.holder(), s)
-            .await?;
-    }
-    if let Err(e) = store.insert(&record, &subranges).await {
-        // Not planned, its hold is let go; but not when the namespace is another
-        // backfill's, whose hold it is.
-        if e.kind() != ErrorKind::Conflict && snapshot_id.is_some() {
-            let _ = lake
-                .release_snapshot(LakeTable::Events, &record.holder())
-                .await;
-        }
-        return Err(e);
-    }
+    insert_pinned(lake, &store, &record, &subranges).await?;
     tracing::info!(job = %record.job, namespace = %record.namespace, version = record.job_version, subranges = subranges.len(), snapshot = ?snapshot_id, "backfill planned");
     Ok(record)
+}
+
+/// Records `record` with its sub-ranges, its pin held from before the record exists until
+/// after. The pin is held first under a name of this call's own: two starts of one
+/// namespace racing both get this far, and the one whose record is refused must not move
+/// the hold of the one whose record stands (a hold under the namespace's name, moved to a
+/// newer snapshot, would leave that backfill's pin unkept). Once the record stands, the
+/// namespace's own hold takes over.
+async fn insert_pinned(
+    lake: &Lake,
+    store: &BackfillStore,
+    record: &BackfillRecord,
+    subranges: &[SubRange],
+) -> Result<()> {
+    let Some(s) = record.snapshot_id else {
+        return store.insert(record, subranges).await;
+    };
+    let planning = format!(
+        "{}:planning:{}",
+        record.holder(),
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    // (Refused, the hold names a snapshot that is gone, which keeps nothing.)
+    lake.hold_present_snapshot(LakeTable::Events, &planning, s)
+        .await?;
+    let mut result = store.insert(record, subranges).await;
+    if result.is_ok() {
+        result = lake
+            .hold_snapshot(LakeTable::Events, &record.holder(), s)
+            .await
+            .map_err(RunnerError::from);
+    }
+    // Whether the record stands or not, this call's own hold goes. (A record that stands
+    // whose hold failed settles its pin when it runs.)
+    if let Err(e) = lake.release_snapshot(LakeTable::Events, &planning).await {
+        tracing::warn!(holder = %planning, error = %e, "could not release a planning hold");
+    }
+    result
 }
 
 /// A probe of the live job's guards (None: its status could not be read).
@@ -2778,6 +2802,79 @@ mod tests {
         assert_eq!(after[0].stages, Some(stages));
         assert_eq!((after[0].state.as_str(), after[0].records), ("done", 10));
         assert_eq!(after[0].input_watermark_us, Some(7));
+    }
+
+    /// Two starts of one namespace race: the one whose record is refused leaves the hold
+    /// of the one whose record stands where it was, and holds nothing itself.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_start_leaves_the_standing_backfills_hold_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let lake = Lake::open(signalweave_lake::LakeConfig::embedded(dir.path()))
+            .await
+            .unwrap();
+        lake.init().await.unwrap();
+        let mut pins = Vec::new();
+        for seq in 1..=2 {
+            let mut b = signalweave_model::EventBatchBuilder::with_capacity(10);
+            let spec = signalweave_fixtures::WorkloadSpec {
+                events: 10,
+                seed: seq,
+                ..Default::default()
+            };
+            for r in signalweave_fixtures::Generator::new(spec) {
+                if let signalweave_fixtures::Record::Event(e) = r {
+                    b.push(&e);
+                }
+            }
+            let batch = b.finish().unwrap();
+            let outcome = lake
+                .append(
+                    LakeTable::Events,
+                    &[batch],
+                    &signalweave_lake::CommitIdentity::new("landed", seq),
+                )
+                .await
+                .unwrap();
+            pins.push(outcome.snapshot_id);
+        }
+        let store = BackfillStore::open(lake.clone()).await.unwrap();
+        let record = |snapshot_id: i64| BackfillRecord {
+            job: "j".into(),
+            namespace: "n".into(),
+            job_version: 1,
+            from_us: 0,
+            to_us: 60_000_000,
+            lead_in_us: 0,
+            snapshot_id: Some(snapshot_id),
+            state: "pending".into(),
+            desired: "run".into(),
+            budgets: Budgets::default(),
+            exact_dedup: false,
+            created_by: "test".into(),
+            created_ms: 0,
+            updated_ms: 0,
+            runner: None,
+            heartbeat_ms: None,
+            preemptions: 0,
+            last_decision: None,
+            rate_limit: None,
+            last_error: None,
+        };
+        insert_pinned(&lake, &store, &record(pins[0]), &[])
+            .await
+            .unwrap();
+        let e = insert_pinned(&lake, &store, &record(pins[1]), &[])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+        let holds: Vec<(String, i64)> = lake
+            .snapshot_holds()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|h| (h.holder, h.snapshot_id))
+            .collect();
+        assert_eq!(holds, [("backfill:j:n".to_string(), pins[0])]);
     }
 
     #[test]
