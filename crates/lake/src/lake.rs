@@ -56,7 +56,7 @@ pub const COMMIT_IDENTITY_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 /// transient failure (catalog or object store unavailable) backs off from 50 ms to 2 s.
 /// Each pause is randomised (jitter) so that colliding writers do not collide again.
 #[derive(Debug)]
-struct RetryPause {
+pub(crate) struct RetryPause {
     conflicts: u32,
     backoff: Duration,
 }
@@ -84,7 +84,7 @@ impl RetryPause {
         pause
     }
 
-    async fn wait(&mut self, error: &LakeError) {
+    pub(crate) async fn wait(&mut self, error: &LakeError) {
         let pause = self.next(error);
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;

@@ -1004,6 +1004,8 @@ impl Lake {
         keep_from: Option<i64>,
         report: &mut MaintenanceReport,
     ) -> Result<()> {
+        let mut pause = crate::lake::RetryPause::default();
+        let mut failed = None;
         for _ in 0..CONFLICT_ATTEMPTS {
             let base = self.table(table).await?;
             let md = base.metadata();
@@ -1108,16 +1110,26 @@ impl Lake {
                     return Ok(());
                 }
                 Err(e) if e.kind() == ErrorKind::Conflict => report.conflicts += 1,
+                // The catalog database busy or briefly away (a lock held by another
+                // writer): tried again after a pause, from a fresh read of the table (a
+                // commit the failure hid is then seen as done: nothing left to remove).
+                Err(e) if e.retryable() => {
+                    tracing::warn!(table = table.name(), error = %e, "expiry's commit failed; retrying");
+                    pause.wait(&e).await;
+                    failed = Some(e);
+                }
                 Err(e) => return Err(e),
             }
         }
-        Err(LakeError::new(
-            ErrorKind::Conflict,
-            format!(
-                "{}: expiry lost {CONFLICT_ATTEMPTS} races in a row",
-                table.name()
-            ),
-        ))
+        Err(failed.unwrap_or_else(|| {
+            LakeError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "{}: expiry lost {CONFLICT_ATTEMPTS} races in a row",
+                    table.name()
+                ),
+            )
+        }))
     }
 
     /// Deletes metadata files older than the oldest one the current metadata log keeps
@@ -1332,6 +1344,69 @@ mod tests {
     use crate::config::LakeConfig;
     use crate::lake::CommitIdentity;
     use crate::lake::tests::events;
+
+    /// A commit of expiry that fails for a while (the catalog database busy) is tried
+    /// again in the same pass, after a pause, and expires once the database takes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_expiry_whose_commit_fails_for_a_while_retries_in_the_same_pass() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        let data = events(40);
+        for i in 0..4 {
+            lake.append(
+                LakeTable::Events,
+                &[data.slice(i * 10, 10)],
+                &CommitIdentity::new("busy", i as u64),
+            )
+            .await
+            .expect("append");
+        }
+        // The catalog refuses to move any table's pointer, as a database whose lock
+        // another writer holds would, until the trigger goes.
+        sqlx::query(
+            "CREATE TRIGGER sw_test_busy BEFORE UPDATE ON iceberg_tables \
+             BEGIN SELECT RAISE(ABORT, 'database is locked'); END",
+        )
+        .execute(lake.control_pool())
+        .await
+        .expect("trigger");
+        let expiry = {
+            let lake = lake.clone();
+            tokio::spawn(async move {
+                let mut report = MaintenanceReport::default();
+                let retention = Retention {
+                    keep_last: 1,
+                    max_age_ms: 0,
+                };
+                lake.expire_and_clean(
+                    LakeTable::Events,
+                    chrono::Utc::now().timestamp_millis() + 1,
+                    Some(retention),
+                    false,
+                    None,
+                    &mut report,
+                )
+                .await
+                .map(|()| report)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            !expiry.is_finished(),
+            "the expiry gave up in the first pass"
+        );
+        sqlx::query("DROP TRIGGER sw_test_busy")
+            .execute(lake.control_pool())
+            .await
+            .expect("drop the trigger");
+        let report = expiry.await.expect("join").expect("expired once it could");
+        assert_eq!(report.snapshots_expired, 3, "{report:?}");
+        let t = lake.table(LakeTable::Events).await.expect("table");
+        assert_eq!(t.metadata().snapshots().count(), 1);
+    }
 
     /// An expiry's commit reads the holds again in its own transaction: a hold taken
     /// after the expiry chose what to remove, on a removed snapshot or on one before it
