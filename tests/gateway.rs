@@ -1179,20 +1179,21 @@ async fn a_stalled_body_gets_408_after_the_body_timeout() {
 async fn the_bytes_of_bodies_in_flight_are_bounded() {
     let backend = support::embedded();
     let mut config = megabyte_config();
-    config.limits.max_bytes_in_flight = (2 << 20) - 1;
+    config.limits.max_bytes_in_flight = 2 << 20;
     let e = config.validate().unwrap_err();
     assert!(e.to_string().contains("limits.max_bytes_in_flight"), "{e}");
-    config.limits.max_bytes_in_flight = 2 << 20;
+    config.limits.max_bytes_in_flight = 13 << 18;
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let mut stalled = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..3 {
         stalled.push(stall(&addr, 1 << 20, &vec![b' '; (1 << 20) - 8 * 1024]).await);
     }
     // Each stalled request took room for the length it declared, before its body came.
     let in_flight = |url: String| async move { body_bytes_in_flight(&url).await };
-    wait_for_room_taken(&gw.url, 2 << 20, "the stalled requests").await;
-    let batch: Vec<Value> = (0..120)
+    wait_for_room_taken(&gw.url, 3 << 20, "the stalled requests").await;
+    // Too large for the quarter MiB left, with its events' copies.
+    let batch: Vec<Value> = (0..600)
         .map(|i| event(&format!("room-{i}"), "tenant-0", "p-1"))
         .collect();
     let a = post(&gw.url, T0, &batch).await;
@@ -1214,7 +1215,7 @@ async fn the_bytes_of_bodies_in_flight_are_bounded() {
     );
     drop(stalled);
     gw.stop().await;
-    assert_eq!(landed(&backend.config).await.len(), 120);
+    assert_eq!(landed(&backend.config).await.len(), 600);
 }
 
 /// Waits (20 s at most) until no request holds room: stalled bodies timed out.
@@ -1229,15 +1230,18 @@ async fn wait_for_room_given_back(url: &str) {
     }
 }
 
-/// Bodies of 1 MiB at most (received and decoded), a queue of 1 MiB all of it the one
-/// tenant's, room for 2 MiB of bodies in flight, and a body timeout of 2 s.
+/// Bodies of 1 MiB at most (received and decoded) and of 2,600 events, a queue of 1 MiB
+/// all of it the one tenant's, room for 3.25 MiB of bodies in flight (one whole request
+/// needs about 3.15 MiB: the body decoded, and its events' copies), and a body timeout of
+/// 2 s.
 fn megabyte_config() -> GatewayConfig {
     let mut config = dev_config();
     config.limits.max_body_bytes = 1 << 20;
     config.limits.max_decoded_bytes = 1 << 20;
+    config.limits.max_batch_events = 2_600;
     config.queue.max_bytes = 1 << 20;
     config.queue.tenant_share_percent = 100;
-    config.limits.max_bytes_in_flight = 2 << 20;
+    config.limits.max_bytes_in_flight = 13 << 18;
     config.limits.body_timeout = Duration::from_secs(2);
     config
 }
@@ -1285,21 +1289,27 @@ async fn wait_for_room_taken(url: &str, bytes: u32, who: &str) {
 async fn the_validated_copies_of_events_take_room_too() {
     let backend = support::embedded();
     let config = megabyte_config();
-    // Twice the decoded limit is one whole request now, whatever the body limit.
+    // Twice the decoded limit, and each event's own overhead, is one whole request now,
+    // whatever the body limit.
     let mut small_body = config.clone();
     small_body.limits.max_body_bytes = 1 << 10;
-    small_body.limits.max_bytes_in_flight = (2 << 20) - 1;
+    small_body.limits.max_bytes_in_flight =
+        (2 << 20) + 1_000 * signalweave_model::Event::MEMORY_OVERHEAD_BYTES;
     let e = small_body.validate().unwrap_err();
     assert!(e.to_string().contains("twice"), "{e}");
-    // A request of 600 KB, made before the stalled one starts its 2 s.
+    // A request of 700 KB, made while a stalled one holds 1 MiB of the 3.25: its body and
+    // its copies' strings alone would fit in the 2.25 MiB left, but not with each event's
+    // struct and allocations.
     let one = serde_json::to_vec(&event("copy-0", "tenant-0", "p-1"))
         .unwrap()
         .len();
-    let batch: Vec<Value> = (0..600 * 1024 / one + 1)
+    let batch: Vec<Value> = (0..700 * 1024 / one + 1)
         .map(|i| event(&format!("copy-{i}"), "tenant-0", "p-1"))
         .collect();
     let body = serde_json::to_vec(&batch).unwrap();
-    assert!(body.len() < 1 << 20 && 2 * body.len() > 1 << 20);
+    let overhead = batch.len() * signalweave_model::Event::MEMORY_OVERHEAD_BYTES;
+    let left = (13 << 18) - (1 << 20);
+    assert!(2 * body.len() < left && 2 * body.len() + overhead > left);
     let gw = start(config, &backend.config).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let stalled = stall(&addr, 1 << 20, &[]).await;

@@ -88,19 +88,27 @@ impl GatewayConfig {
             }
         }
         // One request holds its body as received and decoded, then the decoded body and
-        // the events' validated copies (about as large).
+        // the events' validated copies (at most as large, and each event's struct and
+        // allocations).
         let decoded = self.limits.max_decoded_bytes;
-        let one_request = self
-            .limits
-            .max_body_bytes
-            .saturating_add(decoded)
-            .max(decoded.saturating_mul(2));
+        let one_request =
+            self.limits
+                .max_body_bytes
+                .saturating_add(decoded)
+                .max(decoded.saturating_add(crate::server::copies_bytes(
+                    decoded,
+                    self.limits.max_batch_events,
+                )));
         if self.limits.max_bytes_in_flight < one_request {
             return bad(
                 "limits.max_bytes_in_flight",
-                "must be at least limits.max_body_bytes + limits.max_decoded_bytes and twice \
-                 limits.max_decoded_bytes (one whole request: as received and decoded, then \
-                 decoded and validated)",
+                &format!(
+                    "must be at least {one_request} bytes: limits.max_body_bytes + \
+                     limits.max_decoded_bytes, and twice limits.max_decoded_bytes plus {} \
+                     bytes per event of limits.max_batch_events (one whole request: as \
+                     received and decoded, then decoded and validated)",
+                    signalweave_model::Event::MEMORY_OVERHEAD_BYTES
+                ),
             );
         }
         if self.limits.max_bytes_in_flight > tokio::sync::Semaphore::MAX_PERMITS {

@@ -816,10 +816,10 @@ async fn ingest(st: &AppState, request: Request) -> Result<Response, Refusal> {
         }
     };
     // Room for the events' validated copies, estimated at the decoded body's size (their
-    // strings' bytes; the structs' own headers are not counted), taken before
+    // strings' bytes are fewer) and each event's own struct and allocations, taken before
     // any quota is paid and given back once they are handed to the committer, whose queue
     // counts them from then on: the room bounds what requests hold, copies included.
-    let copies = decoded.len();
+    let copies = copies_bytes(decoded.len(), events.len());
     if !room.take(copies) {
         return Err(no_room(st));
     }
@@ -1247,6 +1247,13 @@ impl Room {
             self.gauge.dec_by(given.num_permits() as i64);
         }
     }
+}
+
+/// The room `events` events validated from `decoded` bytes take, at most: their strings
+/// hold fewer bytes than the body they came from, and each event adds its struct and its
+/// strings' allocations ([`signalweave_model::Event::MEMORY_OVERHEAD_BYTES`]).
+pub(crate) fn copies_bytes(decoded: usize, events: usize) -> usize {
+    decoded.saturating_add(events.saturating_mul(signalweave_model::Event::MEMORY_OVERHEAD_BYTES))
 }
 
 /// The refusal of a request whose body found no room: 503, retry in a second.

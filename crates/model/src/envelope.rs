@@ -31,6 +31,9 @@ use crate::ids::{EventId, ProducerId, TenantId};
 use crate::registry::{FieldType, SchemaRegistry, SchemaVersion, json_matches_type};
 use crate::time::{format_rfc3339_micros, parse_rfc3339_micros};
 
+/// An allocation's header and rounding, about, with glibc's allocator.
+const ALLOCATION_OVERHEAD_BYTES: usize = 16;
+
 /// One accepted event, as it lands in `signalweave.events`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
@@ -69,6 +72,38 @@ pub struct Event {
 }
 
 impl Event {
+    /// What one event held in memory costs beyond its strings' bytes, for memory budgets:
+    /// the struct itself (a slot of a `Vec<Event>`) and, for each of its strings, an
+    /// allocation's header and rounding (about 16 bytes with glibc's allocator).
+    pub const MEMORY_OVERHEAD_BYTES: usize =
+        std::mem::size_of::<Event>() + Self::STRINGS * ALLOCATION_OVERHEAD_BYTES;
+
+    /// How many strings an event holds at most (each its own allocation).
+    const STRINGS: usize = 10;
+
+    /// The bytes this event holds in memory: its struct and its strings' allocations.
+    pub fn memory_bytes(&self) -> usize {
+        let strings = [
+            Some(self.event_id.as_str()),
+            Some(self.event_type.as_str()),
+            Some(self.tenant.as_str()),
+            Some(self.producer_id.as_str()),
+            Some(self.partition_key.as_str()),
+            self.order_id.as_deref(),
+            self.customer_id.as_deref(),
+            self.market_id.as_deref(),
+            self.currency.as_deref(),
+            self.attributes.as_deref(),
+        ];
+        std::mem::size_of::<Event>()
+            + strings
+                .iter()
+                .flatten()
+                .filter(|s| !s.is_empty())
+                .map(|s| s.len() + ALLOCATION_OVERHEAD_BYTES)
+                .sum::<usize>()
+    }
+
     /// The wire form of this event (what a producer sends).
     pub fn to_wire_json(&self) -> Value {
         let mut payload = match self
@@ -910,4 +945,58 @@ fn check_unit(
         _ => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event's memory is at most its wire form's bytes plus the overhead memory budgets
+    /// count per event: the gateway's estimate of a batch's copies never falls short.
+    #[test]
+    fn an_events_memory_is_within_its_wire_bytes_and_the_overhead() {
+        let full = Event {
+            event_id: EventId::new("ev-00000000000000000001"),
+            event_type: "order_placed".into(),
+            schema_version: SchemaVersion {
+                major: 1,
+                minor: 2,
+                patch: 0,
+            },
+            tenant: TenantId::new("tenant-1"),
+            producer_id: ProducerId::new("producer-1-0"),
+            producer_seq: 7,
+            event_time_us: 1_767_225_600_000_000,
+            ingest_time_us: 1_767_225_600_000_000,
+            partition_key: "m-1".into(),
+            order_id: Some("o-1".into()),
+            customer_id: Some("c-1".into()),
+            market_id: Some("m-1".into()),
+            business_version: 1,
+            amount_minor: Some(1250),
+            currency: Some("EUR".into()),
+            attributes: Some(r#"{"channel":"web"}"#.into()),
+        };
+        let bare = Event {
+            order_id: None,
+            customer_id: None,
+            market_id: None,
+            currency: None,
+            attributes: None,
+            ..full.clone()
+        };
+        for e in [full, bare] {
+            let wire = serde_json::to_vec(&e.to_wire_json()).expect("json").len();
+            let memory = e.memory_bytes();
+            assert!(
+                memory > wire / 2,
+                "{memory} bytes counted for {wire} on the wire"
+            );
+            assert!(
+                memory <= wire + Event::MEMORY_OVERHEAD_BYTES,
+                "{memory} > {wire} + {}",
+                Event::MEMORY_OVERHEAD_BYTES
+            );
+        }
+    }
 }
