@@ -26,6 +26,11 @@ use crate::metrics::Metrics;
 /// Rejection evidence rows kept waiting for a commit at most; more are dropped and counted.
 pub const MAX_PENDING_EVIDENCE_ROWS: usize = 100_000;
 
+/// Bytes of rejection evidence (Arrow memory) kept waiting for a commit at most; more are
+/// dropped and counted. A row's fields are cut at 128 characters, but its detail may
+/// quote the record: rows alone do not bound the memory.
+pub const MAX_PENDING_EVIDENCE_BYTES: usize = 64 << 20;
+
 /// Rows encoded into the group's data files at a time, while the group fills.
 pub const ENCODE_CHUNK_ROWS: usize = 8192;
 
@@ -229,6 +234,7 @@ pub struct Committer {
     next_group: u64,
     evidence: Vec<RecordBatch>,
     evidence_rows: usize,
+    evidence_bytes: usize,
     evidence_since: Option<Instant>,
     report: CommitterReport,
     maintenance: Option<tokio::task::JoinHandle<()>>,
@@ -260,6 +266,7 @@ impl Committer {
             next_group: 2,
             evidence: Vec::new(),
             evidence_rows: 0,
+            evidence_bytes: 0,
             evidence_since: None,
             report: CommitterReport::default(),
             maintenance: None,
@@ -387,6 +394,7 @@ impl Committer {
                 closed
                     || since.elapsed() >= self.options.interval
                     || self.evidence_rows >= MAX_PENDING_EVIDENCE_ROWS / 2
+                    || self.evidence_bytes >= MAX_PENDING_EVIDENCE_BYTES / 2
             });
         };
         closed
@@ -394,16 +402,25 @@ impl Committer {
             || self.open.bytes() >= self.options.max_bytes
     }
 
+    /// Keeps `evidence` for the next commit.
+    fn keep_evidence(&mut self, evidence: RecordBatch) {
+        self.evidence_rows += evidence.num_rows();
+        self.evidence_bytes += evidence.get_array_memory_size();
+        self.evidence.push(evidence);
+        self.evidence_since.get_or_insert_with(Instant::now);
+    }
+
     async fn admit(&mut self, sub: Submission) {
         if let Some(evidence) = sub.evidence {
-            if self.evidence_rows + evidence.num_rows() > MAX_PENDING_EVIDENCE_ROWS {
+            let bytes = evidence.get_array_memory_size();
+            if self.evidence_rows + evidence.num_rows() > MAX_PENDING_EVIDENCE_ROWS
+                || self.evidence_bytes + bytes > MAX_PENDING_EVIDENCE_BYTES
+            {
                 self.metrics
                     .evidence_dropped
                     .inc_by(evidence.num_rows() as u64);
             } else {
-                self.evidence_rows += evidence.num_rows();
-                self.evidence.push(evidence);
-                self.evidence_since.get_or_insert_with(Instant::now);
+                self.keep_evidence(evidence);
             }
         }
         if sub.events.is_empty() {
@@ -576,6 +593,7 @@ impl Committer {
         group.writer_failed |= writer.is_none();
         let evidence = std::mem::take(&mut self.evidence);
         self.evidence_rows = 0;
+        self.evidence_bytes = 0;
         self.evidence_since = None;
         let lake = self.lake.clone();
         let first_ingest = group.first_ingest_us;
@@ -646,9 +664,7 @@ impl Committer {
     fn finish_commit(&mut self, result: CommitResult) -> bool {
         self.pipeline.commit_started_us.store(0, Ordering::Release);
         for b in result.evidence_left {
-            self.evidence_rows += b.num_rows();
-            self.evidence.push(b);
-            self.evidence_since.get_or_insert_with(Instant::now);
+            self.keep_evidence(b);
         }
         let snapshot_id = match result.events {
             Ok(s) => s,
@@ -838,6 +854,59 @@ mod tests {
             Arc::new(Metrics::new()),
             DedupIndex::new(60_000_000),
         )
+    }
+
+    /// Evidence waiting for a commit is bounded by its bytes as well as its rows: rows
+    /// whose details quote large records are dropped (and counted) once the bytes are full,
+    /// while their rows are far fewer than the row bound.
+    #[tokio::test]
+    async fn waiting_evidence_is_bounded_by_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = committer(dir.path()).await;
+        let raw = vec![b'x'; 1 << 10];
+        let detail = "y".repeat(256 << 10);
+        let rows: Vec<(&[u8], u64, signalweave_model::Rejection)> = (0..16)
+            .map(|i| {
+                (
+                    raw.as_slice(),
+                    i,
+                    signalweave_model::Rejection::new(
+                        signalweave_model::ReasonCode::MalformedJson,
+                        detail.clone(),
+                    ),
+                )
+            })
+            .collect();
+        let batch = signalweave_lake::rejection_batch_of(1, "test", Some("t"), &rows).unwrap();
+        let per_batch = batch.get_array_memory_size();
+        assert!(per_batch >= 4 << 20, "{per_batch}");
+        let sent = 64;
+        for _ in 0..sent {
+            let (reply, _rx) = oneshot::channel();
+            c.admit(Submission {
+                tenant_index: 0,
+                ingest_time_us: 2_000_000,
+                events: Vec::new(),
+                bytes: 0,
+                evidence: Some(batch.clone()),
+                reply,
+            })
+            .await;
+        }
+        assert!(
+            c.evidence_bytes <= MAX_PENDING_EVIDENCE_BYTES,
+            "{}",
+            c.evidence_bytes
+        );
+        assert_eq!(
+            c.evidence_rows,
+            16 * (MAX_PENDING_EVIDENCE_BYTES / per_batch)
+        );
+        assert!(c.evidence_rows < MAX_PENDING_EVIDENCE_ROWS);
+        assert_eq!(
+            c.metrics.evidence_dropped.get() as usize,
+            16 * sent - c.evidence_rows
+        );
     }
 
     fn refused(kind: ErrorKind) -> CommitResult {
