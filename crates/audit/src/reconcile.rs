@@ -912,12 +912,23 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     };
     // With no output at all, the job's progress is unknown and every window would be
     // pending: a job that wrote nothing would read as NOTHING FINAL. The oracle's windows
-    // it has nothing for are a finding of their own.
+    // that a job having read the events would have closed (by the watermark of the
+    // largest event time read, less the bound) are a finding of their own. Those still
+    // open are pending, as a job that emits only on time has written nothing for them.
     let silent = match job_watermark {
         Some(_) => 0,
-        None => {
-            get_first(&one_row(&ctx, "oracle windows", "SELECT count(*) FROM audit_oracle").await?)
-        }
+        None => get_first(
+            &one_row(
+                &ctx,
+                "oracle windows closed by the events",
+                &format!(
+                    "SELECT count(*) FROM audit_oracle WHERE we <= \
+                     (SELECT max(t) FROM audit_classified WHERE class <> 'out_of_scope') - {bound}",
+                    bound = rules.bound
+                ),
+            )
+            .await?,
+        ),
     };
     // 7. Comparison.
     let mut same = vec!["o.we = r.we".to_string(), "o.events = r.events".to_string()];
@@ -1200,8 +1211,8 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     find(
         "no_outputs",
         silent,
-        "windows the oracle finds while the output table holds no row at all: the job has \
-         written nothing, so its progress is unknown and nothing could be compared"
+        "windows the events have closed while the output table holds no row at all: the \
+         job has written nothing, so its progress is unknown and nothing could be compared"
             .into(),
     );
     find(

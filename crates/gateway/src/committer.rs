@@ -907,6 +907,25 @@ mod tests {
             c.metrics.evidence_dropped.get() as usize,
             16 * sent - c.evidence_rows
         );
+        // A batch of one small rejection takes about what its buffers need (a builder's
+        // default room for 1,024 rows would be some 65 KiB): about 40,000 requests with
+        // one rejection each wait before the bytes are full.
+        let one = signalweave_lake::rejection_batch_of(
+            1,
+            "test",
+            Some("t"),
+            &[(
+                b"{}".as_slice(),
+                0,
+                signalweave_model::Rejection::new(
+                    signalweave_model::ReasonCode::MalformedJson,
+                    "not an event",
+                ),
+            )],
+        )
+        .unwrap();
+        let bytes = one.get_array_memory_size();
+        assert!(bytes < 4 << 10, "a one-row batch takes {bytes} bytes");
     }
 
     fn refused(kind: ErrorKind) -> CommitResult {

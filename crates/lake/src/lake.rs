@@ -914,8 +914,14 @@ impl Lake {
                     // and so does a fence that no longer holds (each attempt would write
                     // its manifests for nothing).
                     guard()?;
-                    if let Some(fence) = fence {
-                        self.check_fence(fence).await?;
+                    // (Only a refusal ends it: a check that fails for want of the database
+                    // is no reason to stop retrying through an outage, and the fence in
+                    // the commit's own transaction is what protects the write.)
+                    if let Some(fence) = fence
+                        && let Err(refused) = self.check_fence(fence).await
+                        && refused.kind() == ErrorKind::Conflict
+                    {
+                        return Err(refused);
                     }
                     if e.kind() != ErrorKind::Conflict {
                         tracing::warn!(table = table.name(), attempt, error = %e, "append failed; retrying");

@@ -57,7 +57,8 @@ pub use lineage::{LINEAGE_COLUMN, LINEAGE_FIELD_ID};
 pub use load::{LoadFormat, LoadOptions, LoadReport, rejection_batch, rejection_batch_of};
 pub use maintain::{
     DEFAULT_PREVIOUS_VERSIONS_MAX, DeletedFiles, MaintenancePolicy, MaintenanceReport,
-    PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold,
+    PROP_PREVIOUS_VERSIONS_MAX, Retention, SnapshotHold, TRANSIENT_HOLD_MARKER,
+    TRANSIENT_HOLD_TTL_MS,
 };
 pub use promote::{Promotion, authoritative, authority_epoch, serving_version};
 pub use provider::{COMMIT_ORDER, COMMIT_SEQUENCE_COLUMN, LakeTableProvider, SnapshotChoice};

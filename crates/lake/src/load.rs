@@ -146,18 +146,26 @@ struct RejectionBatch {
 
 impl RejectionBatch {
     fn new() -> Self {
+        Self::with_capacity(1024, 0)
+    }
+
+    /// Room for `rows` rows whose details take `detail_bytes` in all: a batch built for a
+    /// few rows holds no more memory than they need (evidence waiting for a commit is
+    /// bounded by its bytes).
+    fn with_capacity(rows: usize, detail_bytes: usize) -> Self {
+        let strings = || StringBuilder::with_capacity(rows, rows * 16);
         Self {
-            received_at: TimestampMicrosecondBuilder::new().with_timezone("+00:00"),
-            source: StringBuilder::new(),
-            tenant: StringBuilder::new(),
-            producer_id: StringBuilder::new(),
-            event_id: StringBuilder::new(),
-            event_type: StringBuilder::new(),
-            reason_code: StringBuilder::new(),
-            detail: StringBuilder::new(),
-            record_digest: StringBuilder::new(),
-            record_bytes: Int64Builder::new(),
-            record_position: Int64Builder::new(),
+            received_at: TimestampMicrosecondBuilder::with_capacity(rows).with_timezone("+00:00"),
+            source: strings(),
+            tenant: strings(),
+            producer_id: strings(),
+            event_id: strings(),
+            event_type: strings(),
+            reason_code: strings(),
+            detail: StringBuilder::with_capacity(rows, detail_bytes),
+            record_digest: StringBuilder::with_capacity(rows, rows * 64),
+            record_bytes: Int64Builder::with_capacity(rows),
+            record_position: Int64Builder::with_capacity(rows),
             rows: 0,
         }
     }
@@ -239,7 +247,8 @@ pub fn rejection_batch_of(
     tenant: Option<&str>,
     rejected: &[(&[u8], u64, Rejection)],
 ) -> Result<RecordBatch> {
-    let mut b = RejectionBatch::new();
+    let detail_bytes = rejected.iter().map(|(_, _, r)| r.detail.len()).sum();
+    let mut b = RejectionBatch::with_capacity(rejected.len(), detail_bytes);
     for (raw, pos, r) in rejected {
         b.push(at_us, source, tenant, raw, *pos, r);
     }

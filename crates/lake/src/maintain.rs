@@ -151,6 +151,15 @@ pub struct SnapshotHold {
     pub updated_ms: i64,
 }
 
+/// A hold whose holder's name carries this is transient: a planning step's (a backfill's
+/// start), held for the moments between choosing a snapshot and recording who holds it
+/// for good. One older than [`TRANSIENT_HOLD_TTL_MS`] is the leftover of a process that
+/// died meanwhile, and expiry drops it.
+pub const TRANSIENT_HOLD_MARKER: &str = ":planning:";
+
+/// How long a transient hold keeps its snapshot at most (see [`TRANSIENT_HOLD_MARKER`]).
+pub const TRANSIENT_HOLD_TTL_MS: i64 = 3_600_000;
+
 /// Files deleted by maintenance, by kind.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct DeletedFiles {
@@ -739,6 +748,30 @@ impl Lake {
         Ok(rows.into_iter().map(|(id,)| id).collect())
     }
 
+    /// Drops the transient holds (see [`TRANSIENT_HOLD_MARKER`]) last moved more than
+    /// [`TRANSIENT_HOLD_TTL_MS`] before `now_ms`: leftovers of planning steps whose process
+    /// died. Returns how many.
+    pub async fn drop_stale_transient_holds(&self, now_ms: i64) -> Result<u64> {
+        let dropped = sqlx::query(&self.control_sql(
+            "DELETE FROM sw_snapshot_holds WHERE catalog_name = $1 AND holder LIKE $2 \
+             AND updated_ms < $3",
+        ))
+        .bind(self.config().catalog_name.as_str())
+        .bind(format!("%{TRANSIENT_HOLD_MARKER}%"))
+        .bind(now_ms - TRANSIENT_HOLD_TTL_MS)
+        .execute(self.control_pool())
+        .await
+        .map_err(|e| LakeError::sql("drop stale transient holds", e))?
+        .rows_affected();
+        if dropped > 0 {
+            tracing::warn!(
+                dropped,
+                "dropped snapshot holds left by planning steps that never finished"
+            );
+        }
+        Ok(dropped)
+    }
+
     fn holds_sql(&self) -> &'static str {
         if self.config().is_sqlite() {
             "SELECT snapshot_id FROM sw_snapshot_holds WHERE catalog_name = ? AND table_name = ?"
@@ -1004,6 +1037,9 @@ impl Lake {
         keep_from: Option<i64>,
         report: &mut MaintenanceReport,
     ) -> Result<()> {
+        if !override_holds {
+            self.drop_stale_transient_holds(now_ms).await?;
+        }
         let mut pause = crate::lake::RetryPause::default();
         let mut failed = None;
         for _ in 0..CONFLICT_ATTEMPTS {
@@ -1344,6 +1380,57 @@ mod tests {
     use crate::config::LakeConfig;
     use crate::lake::CommitIdentity;
     use crate::lake::tests::events;
+
+    /// A transient hold (a planning step's) a crash left behind is dropped once older
+    /// than its time to live; a fresh one, and an old hold of another kind, stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transient_hold_left_behind_is_dropped_in_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lake = Lake::open(LakeConfig::embedded(dir.path()))
+            .await
+            .expect("open");
+        lake.init().await.expect("init");
+        lake.append(
+            LakeTable::Events,
+            &[events(10)],
+            &CommitIdentity::new("t", 1),
+        )
+        .await
+        .expect("append");
+        let s = lake
+            .table(LakeTable::Events)
+            .await
+            .expect("table")
+            .metadata()
+            .current_snapshot_id()
+            .expect("a snapshot");
+        let left = format!("backfill:j:n{TRANSIENT_HOLD_MARKER}0123");
+        let fresh = format!("backfill:j:m{TRANSIENT_HOLD_MARKER}4567");
+        for holder in [left.as_str(), fresh.as_str(), "job:j:live"] {
+            lake.hold_snapshot(LakeTable::Events, holder, s)
+                .await
+                .expect("hold");
+        }
+        let now = chrono::Utc::now().timestamp_millis();
+        for holder in [left.as_str(), "job:j:live"] {
+            sqlx::query("UPDATE sw_snapshot_holds SET updated_ms = ? WHERE holder = ?")
+                .bind(now - TRANSIENT_HOLD_TTL_MS - 1)
+                .bind(holder)
+                .execute(lake.control_pool())
+                .await
+                .expect("age the hold");
+        }
+        assert_eq!(lake.drop_stale_transient_holds(now).await.expect("drop"), 1);
+        let mut holders: Vec<String> = lake
+            .snapshot_holds()
+            .await
+            .expect("holds")
+            .into_iter()
+            .map(|h| h.holder)
+            .collect();
+        holders.sort();
+        assert_eq!(holders, [fresh, "job:j:live".to_string()]);
+    }
 
     /// A commit of expiry that fails for a while (the catalog database busy) is tried
     /// again in the same pass, after a pause, and expires once the database takes it.

@@ -74,7 +74,9 @@ pub struct Event {
 impl Event {
     /// What one event held in memory costs beyond its strings' bytes, for memory budgets:
     /// the struct itself (a slot of a `Vec<Event>`) and, for each of its strings, an
-    /// allocation's header and rounding (about 16 bytes with glibc's allocator).
+    /// allocation's header and rounding (about 16 bytes with glibc's allocator). An
+    /// estimate: a validated event may hold a little its wire form does not (a partition
+    /// key copied from a business key, a reader's defaults in `attributes`).
     pub const MEMORY_OVERHEAD_BYTES: usize =
         std::mem::size_of::<Event>() + Self::STRINGS * ALLOCATION_OVERHEAD_BYTES;
 

@@ -100,6 +100,7 @@ use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 use signalweave_lake::{
     ArrivalWatermarks, CommitIdentity, ErasureNotice, FileSpans, Lake, LakeTable,
+    TRANSIENT_HOLD_MARKER,
 };
 use signalweave_model::ErrorKind;
 use signalweave_window::{
@@ -1018,27 +1019,56 @@ async fn insert_pinned(
     let Some(s) = record.snapshot_id else {
         return store.insert(record, subranges).await;
     };
+    // Transient by its name: maintenance drops one a crash left behind (see
+    // `TRANSIENT_HOLD_MARKER`).
     let planning = format!(
-        "{}:planning:{}",
+        "{}{TRANSIENT_HOLD_MARKER}{}",
         record.holder(),
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
-    // (Refused, the hold names a snapshot that is gone, which keeps nothing.)
-    lake.hold_present_snapshot(LakeTable::Events, &planning, s)
-        .await?;
-    let mut result = store.insert(record, subranges).await;
-    if result.is_ok() {
-        result = lake
+    let release = |why: &'static str| {
+        let planning = planning.clone();
+        async move {
+            if let Err(e) = lake.release_snapshot(LakeTable::Events, &planning).await {
+                tracing::warn!(holder = %planning, error = %e, why, "could not release a planning hold");
+            }
+        }
+    };
+    if let Err(e) = lake
+        .hold_present_snapshot(LakeTable::Events, &planning, s)
+        .await
+    {
+        release("not held").await;
+        return Err(e.into());
+    }
+    if let Err(e) = store.insert(record, subranges).await {
+        release("not recorded").await;
+        return Err(e);
+    }
+    // The record stands: the namespace's own hold takes over. Should that keep failing,
+    // the planning hold stays (a leftover maintenance drops in time) and the backfill
+    // stands all the same: failing now would leave a record its starter was told
+    // nothing of.
+    let mut held = Err(RunnerError::new(ErrorKind::Internal, "not tried"));
+    for attempt in 0..3 {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+        }
+        held = lake
             .hold_snapshot(LakeTable::Events, &record.holder(), s)
             .await
             .map_err(RunnerError::from);
+        if held.is_ok() {
+            break;
+        }
     }
-    // Whether the record stands or not, this call's own hold goes. (A record that stands
-    // whose hold failed settles its pin when it runs.)
-    if let Err(e) = lake.release_snapshot(LakeTable::Events, &planning).await {
-        tracing::warn!(holder = %planning, error = %e, "could not release a planning hold");
+    match held {
+        Ok(()) => release("held by its namespace").await,
+        Err(e) => {
+            tracing::warn!(job = %record.job, namespace = %record.namespace, error = %e, holder = %planning, "the backfill's pin is held by its planning hold only")
+        }
     }
-    result
+    Ok(())
 }
 
 /// A probe of the live job's guards (None: its status could not be read).

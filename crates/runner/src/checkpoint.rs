@@ -401,6 +401,22 @@ impl CheckpointStore {
     }
 
     async fn rows(&self, sql: &str, epoch: Option<u64>) -> Result<Vec<CheckpointRef>> {
+        let mut conn = self
+            .lake
+            .control_pool()
+            .acquire()
+            .await
+            .map_err(|e| RunnerError::sql("read checkpoints", e))?;
+        self.rows_in(&mut conn, sql, epoch).await
+    }
+
+    /// [`CheckpointStore::rows`] on `conn` (a transaction's, say).
+    async fn rows_in(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        sql: &str,
+        epoch: Option<u64>,
+    ) -> Result<Vec<CheckpointRef>> {
         let mut query = sqlx::query_as::<_, (i64, String, Option<i64>, i64, i64)>(sql)
             .bind(self.catalog())
             .bind(&self.job)
@@ -409,7 +425,7 @@ impl CheckpointStore {
             query = query.bind(e as i64);
         }
         let rows = query
-            .fetch_all(self.lake.control_pool())
+            .fetch_all(conn)
             .await
             .map_err(|e| RunnerError::sql("read checkpoints", e))?;
         Ok(rows
@@ -428,14 +444,14 @@ impl CheckpointStore {
 
     /// Every recorded checkpoint, newest first.
     pub async fn list(&self) -> Result<Vec<CheckpointRef>> {
-        self.rows(
-            &self.q(
-                "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
-                 WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY epoch DESC",
-            ),
-            None,
+        self.rows(&self.list_sql(), None).await
+    }
+
+    fn list_sql(&self) -> String {
+        self.q(
+            "SELECT epoch, location, source_position, blob_bytes, created_ms FROM sw_checkpoints \
+             WHERE catalog_name = $1 AND job = $2 AND namespace = $3 ORDER BY epoch DESC",
         )
-        .await
     }
 
     /// Loads the checkpoint of `epoch`.
@@ -473,23 +489,30 @@ impl CheckpointStore {
         keep: usize,
         fence: Option<&LeaseFence>,
     ) -> Result<usize> {
-        // Fenced first: from here to the commit no other tenure writes, so the list read
-        // next is the one the deletes apply to.
-        let mut tx = self.begin(fence).await?;
-        let all = self.list().await?;
-        let mut older_kept = 0;
-        let mut doomed = Vec::new();
-        for r in all {
-            if r.epoch > current {
-                doomed.push(r);
-            } else if r.epoch < current {
-                if older_kept < keep {
-                    older_kept += 1;
-                } else {
+        let doomed_of = |all: Vec<CheckpointRef>| {
+            let mut older_kept = 0;
+            let mut doomed = Vec::new();
+            for r in all {
+                if r.epoch > current {
                     doomed.push(r);
+                } else if r.epoch < current {
+                    if older_kept < keep {
+                        older_kept += 1;
+                    } else {
+                        doomed.push(r);
+                    }
                 }
             }
+            doomed
+        };
+        // Most epochs retire nothing: no write lock is taken for them.
+        if doomed_of(self.list().await?).is_empty() {
+            return Ok(0);
         }
+        // Fenced first: from here to the commit no other tenure writes, so the list read
+        // again in the transaction is the one the deletes apply to.
+        let mut tx = self.begin(fence).await?;
+        let doomed = doomed_of(self.rows_in(&mut tx, &self.list_sql(), None).await?);
         for r in &doomed {
             sqlx::query(
                 &self.q(
