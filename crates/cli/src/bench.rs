@@ -1,7 +1,8 @@
 //! `signalweave bench`: the benchmarks behind BENCHMARKS.md. Build with `--release`;
 //! figures from a debug build are not comparable.
 
-use std::time::Instant;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
@@ -41,6 +42,11 @@ pub enum BenchCommand {
         /// keeps the 2 minutes of the default retention, 120 snapshots.
         #[arg(long, default_value_t = 120)]
         keep_snapshots: usize,
+        /// Fence each commit by a lease, as a live job's sink commits are: the commit goes
+        /// through the lake's own compare-and-set, with the lease checked in its
+        /// transaction.
+        #[arg(long)]
+        fenced: bool,
         /// Age after which a pass deletes the manifest lists and manifests no retained
         /// snapshot references (lost races). The loops' default is 1 hour, 3,600 commits
         /// at one per second: about 45 s of this simulated day.
@@ -405,7 +411,22 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
             maintain_every,
             keep_snapshots,
             metadata_orphan_age,
+            fenced,
         } => {
+            let fence = if *fenced {
+                Some(
+                    lake.take_lease(
+                        "bench",
+                        &format!("bench-commits-{run_id}"),
+                        "live",
+                        &signalweave_lake::lease_owner(&run_id),
+                        Duration::from_secs(3_600),
+                    )
+                    .await?,
+                )
+            } else {
+                None
+            };
             // A pool of at most 1,000 distinct batches, appended round robin.
             let spec = WorkloadSpec {
                 events: (*commits).min(1_000) * (*rows as u64),
@@ -458,10 +479,13 @@ pub async fn run(cmd: &BenchCommand, config: LakeConfig, schemas: &std::path::Pa
                     }
                 }
                 let start = Instant::now();
-                lake.append(
+                lake.append_guarded(
                     LakeTable::Events,
                     std::slice::from_ref(b),
                     &CommitIdentity::new(format!("bench-commits-{run_id}"), i as u64),
+                    HashMap::new(),
+                    &|| Ok(()),
+                    fence.as_ref(),
                 )
                 .await?;
                 lat.push(start.elapsed().as_secs_f64() * 1000.0);
