@@ -889,18 +889,22 @@ async fn a_job_whose_lease_is_not_renewed_commits_nothing() {
 }
 
 /// A job whose lease another instance has taken over commits nothing, even before its
-/// own renewals notice (they run once a second; its recency check still passes): each of
-/// its writes to the catalog database (the checkpoint's record, the sink's commits, the
+/// own renewals notice (held off here; its recency check still passes): each of its
+/// writes to the catalog database (the checkpoint's record, the sink's commits, the
 /// pointer) is fenced by the lease's tenure, in the write's own transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_lease_was_taken_over_commits_nothing() {
     use std::sync::Arc;
 
     use signalweave_model::ErrorKind;
-    use signalweave_runner::{LiveJob, RunnerMetrics};
+    use signalweave_runner::{LiveConfig, LiveJob, RunnerMetrics};
 
     let dir = tempfile::tempdir().unwrap();
     let (lake, spec, config) = strict_setup(dir.path()).await;
+    let config = LiveConfig {
+        lease_renew_every: Duration::from_secs(3_600),
+        ..config
+    };
     let mut job = LiveJob::recover(
         lake.clone(),
         Arc::clone(&spec),
@@ -927,6 +931,7 @@ async fn a_job_whose_lease_was_taken_over_commits_nothing() {
     .unwrap();
     let e = job.step(true).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+    assert!(e.to_string().contains("taken over since"), "{e}");
     assert_eq!(job.epoch(), 0);
     let outputs = "select count(*) from signalweave.strict_markets";
     assert_eq!(count_rows(&lake, outputs).await, 0);

@@ -123,6 +123,9 @@ pub struct LiveConfig {
     /// Who runs the job: the owner of its lease (see [`LIVE_LEASE_TTL`]). One per process
     /// by default, so a job recovered in the same process keeps its lease.
     pub instance: String,
+    /// How often the job's lease is renewed (every second; a test holds the renewals off
+    /// to see what the fence alone refuses).
+    pub lease_renew_every: Duration,
     /// How long failures that no retry can mend ([`ErrorKind::retryable`] false: a
     /// corrupt checkpoint, a configuration error) may last, the job recovering from its
     /// checkpoint meanwhile, before [`LiveJob::run`] fails with the last of them. A
@@ -209,7 +212,13 @@ impl Drop for LeaseKeeper {
 impl LeaseKeeper {
     /// Takes the lease of `job` in `namespace` for `owner`, waiting up to
     /// [`LIVE_LEASE_TTL`] (and a second) for another holder's to run out, then renews it.
-    async fn take(lake: &Lake, job: &str, namespace: &str, owner: &str) -> Result<Self> {
+    async fn take(
+        lake: &Lake,
+        job: &str,
+        namespace: &str,
+        owner: &str,
+        renew_every: Duration,
+    ) -> Result<Self> {
         let deadline = Instant::now() + LIVE_LEASE_TTL + Duration::from_secs(1);
         let mut sent;
         let fence = loop {
@@ -246,7 +255,7 @@ impl LeaseKeeper {
                 (Arc::clone(&lost), Arc::clone(&broken), Arc::clone(&renewed));
             tokio::spawn(async move {
                 loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    tokio::time::sleep(renew_every).await;
                     let sent = Renewal::now();
                     match lake
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
@@ -431,6 +440,7 @@ impl Default for LiveConfig {
             key_groups: signalweave_window::DEFAULT_KEY_GROUPS,
             fault: None,
             permanent_failure_grace: Duration::from_secs(60),
+            lease_renew_every: Duration::from_secs(1),
             instance: process_instance(),
         }
     }
@@ -543,7 +553,14 @@ impl LiveJob {
         lake.ensure_output_table(output).await?;
         let store = CheckpointStore::open(lake.clone(), &spec.name, &namespace).await?;
         // One instance at a time: taken before anything is read or committed.
-        let lease = LeaseKeeper::take(&lake, &spec.name, &namespace, &config.instance).await?;
+        let lease = LeaseKeeper::take(
+            &lake,
+            &spec.name,
+            &namespace,
+            &config.instance,
+            config.lease_renew_every,
+        )
+        .await?;
         let labels: Labels = vec![
             ("job".into(), spec.name.clone()),
             ("namespace".into(), namespace.clone()),
@@ -1428,9 +1445,15 @@ mod tests {
 
     /// The keeper of a fresh lease, its last renewal set back by `ago`.
     async fn keeper_renewed(lake: &Lake, ago: Duration) -> LeaseKeeper {
-        let keeper = LeaseKeeper::take(lake, "job", "live", &process_instance())
-            .await
-            .expect("the lease");
+        let keeper = LeaseKeeper::take(
+            lake,
+            "job",
+            "live",
+            &process_instance(),
+            Duration::from_secs(1),
+        )
+        .await
+        .expect("the lease");
         keeper.task.abort();
         let now = Renewal::now();
         *keeper.renewed.lock().expect("renewal") = Renewal {
