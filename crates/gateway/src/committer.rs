@@ -149,7 +149,7 @@ struct Group {
     batches: Vec<RecordBatch>,
     /// The group's data files, encoded while it fills; None until the first chunk, or
     /// after a write failed (the commit then appends `batches` instead).
-    writer: Option<AppendWriter>,
+    writer: Option<Encoder>,
     writer_failed: bool,
     ids: Vec<u128>,
     ingest: Vec<i64>,
@@ -157,6 +157,37 @@ struct Group {
     first_ingest_us: i64,
     opened: Option<Instant>,
     waiters: Vec<Waiter>,
+}
+
+/// A group's data files as its chunks are encoded: each chunk is encoded on a task of its
+/// own, which gives the writer back when done, so the committer's loop goes on admitting
+/// requests (and driving the commit in flight) meanwhile. One chunk is encoded at a time,
+/// in order.
+struct Encoder(tokio::task::JoinHandle<signalweave_lake::Result<AppendWriter>>);
+
+impl Encoder {
+    /// Encodes `batch` next, on a task of its own.
+    fn encode(mut writer: AppendWriter, batch: RecordBatch) -> Self {
+        Self(tokio::spawn(async move {
+            writer.write(&batch).await.map(|()| writer)
+        }))
+    }
+
+    /// The writer, once the chunk in hand is encoded; None when that failed (the commit
+    /// then appends the group's rows instead).
+    async fn ready(self) -> Option<AppendWriter> {
+        match self.0.await {
+            Ok(Ok(w)) => Some(w),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot encode a chunk of the group; the commit appends instead");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the task encoding a chunk of the group failed; the commit appends instead");
+                None
+            }
+        }
+    }
 }
 
 impl Group {
@@ -526,23 +557,24 @@ impl Committer {
         if self.open.writer_failed {
             return;
         }
-        if self.open.writer.is_none() {
-            let identity = CommitIdentity::new(self.options.writer_id.clone(), self.open.id);
-            match self.lake.append_writer(LakeTable::Events, &identity).await {
-                Ok(w) => self.open.writer = Some(w),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot open the group's data files; the commit appends instead");
-                    self.open.writer_failed = true;
-                    return;
+        // The chunk before is encoded first (waiting here only when encoding falls behind
+        // the requests).
+        let writer = match self.open.writer.take() {
+            Some(encoder) => encoder.ready().await,
+            None => {
+                let identity = CommitIdentity::new(self.options.writer_id.clone(), self.open.id);
+                match self.lake.append_writer(LakeTable::Events, &identity).await {
+                    Ok(w) => Some(w),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot open the group's data files; the commit appends instead");
+                        None
+                    }
                 }
             }
-        }
-        if let Some(w) = self.open.writer.as_mut()
-            && let Err(e) = w.write(&batch).await
-        {
-            tracing::warn!(error = %e, "cannot encode a chunk of the group; the commit appends instead");
-            self.open.writer = None;
-            self.open.writer_failed = true;
+        };
+        match writer {
+            Some(w) => self.open.writer = Some(Encoder::encode(w, batch)),
+            None => self.open.writer_failed = true,
         }
     }
 
@@ -604,6 +636,11 @@ impl Committer {
             let started = Instant::now();
             let summary: HashMap<String, String> =
                 [(SUMMARY_INGEST_MIN.to_string(), first_ingest.to_string())].into();
+            // The last chunk handed to the encoder first.
+            let writer = match writer {
+                Some(encoder) => encoder.ready().await,
+                None => None,
+            };
             let events = match (tail, writer) {
                 (Err(e), _) => Err(e),
                 (Ok(_), _) if batches.is_empty() => Ok(None),
@@ -926,6 +963,42 @@ mod tests {
         .unwrap();
         let bytes = one.get_array_memory_size();
         assert!(bytes < 4 << 10, "a one-row batch takes {bytes} bytes");
+    }
+
+    /// A group of several chunks is encoded chunk by chunk on tasks of their own while
+    /// requests keep coming, and commits every row once, through its encoded files.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_encoded_chunk_by_chunk_commits_every_row_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = committer(dir.path()).await;
+        let total = 3 * ENCODE_CHUNK_ROWS + 100;
+        let ids: Vec<String> = (0..total).map(|i| format!("e-{i}")).collect();
+        let mut replies = Vec::new();
+        for chunk in ids.chunks(1_000) {
+            let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            replies.push(submit(&mut c, &refs).await);
+            if c.open.batches.len() == 1 {
+                assert!(c.open.writer.is_some(), "the first chunk is being encoded");
+            }
+        }
+        // Requests of 1,000: a chunk is cut at the first request past 8,192 rows.
+        assert_eq!(c.open.batches.len(), 2, "two chunks handed to the encoder");
+        let result = c.start_commit().await;
+        assert!(c.finish_commit(result));
+        for r in replies {
+            let ack = r.await.unwrap().unwrap();
+            assert!(ack.outcome.iter().all(|o| *o == Outcome::Accepted));
+        }
+        let t = c.lake.table(LakeTable::Events).await.unwrap();
+        let snapshot = t.metadata().current_snapshot().unwrap();
+        assert_eq!(
+            snapshot
+                .summary()
+                .additional_properties
+                .get("added-records"),
+            Some(&total.to_string())
+        );
+        assert_eq!(c.report.events, total as u64);
     }
 
     fn refused(kind: ErrorKind) -> CommitResult {
