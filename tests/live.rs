@@ -905,6 +905,7 @@ async fn a_job_whose_lease_was_taken_over_commits_nothing() {
         lease_renew_every: Duration::from_secs(3_600),
         ..config
     };
+    let taken = std::time::Instant::now();
     let mut job = LiveJob::recover(
         lake.clone(),
         Arc::clone(&spec),
@@ -931,7 +932,12 @@ async fn a_job_whose_lease_was_taken_over_commits_nothing() {
     .unwrap();
     let e = job.step(true).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
-    assert!(e.to_string().contains("taken over since"), "{e}");
+    // (Once its lease's last renewal is older than the commit window, the job renews it
+    // in line, and that renewal finds the takeover first. A setup that slow says nothing of
+    // the fence.)
+    if taken.elapsed() < signalweave_runner::LIVE_LEASE_COMMIT_WITHIN - Duration::from_secs(1) {
+        assert!(e.to_string().contains("taken over since"), "{e}");
+    }
     assert_eq!(job.epoch(), 0);
     let outputs = "select count(*) from signalweave.strict_markets";
     assert_eq!(count_rows(&lake, outputs).await, 0);

@@ -162,21 +162,39 @@ struct Group {
 /// A group's data files as its chunks are encoded: each chunk is encoded on a task of its
 /// own, which gives the writer back when done, so the committer's loop goes on admitting
 /// requests (and driving the commit in flight) meanwhile. One chunk is encoded at a time,
-/// in order.
-struct Encoder(tokio::task::JoinHandle<signalweave_lake::Result<AppendWriter>>);
+/// in order. Dropped (a group abandoned), it stops its task: the files are orphans.
+struct Encoder(Option<tokio::task::JoinHandle<signalweave_lake::Result<AppendWriter>>>);
+
+impl Drop for Encoder {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
 
 impl Encoder {
+    /// Opens the group's data files and encodes its first chunk, `batch`, on a task of
+    /// its own (opening reads the table from the catalog: not on the committer's loop).
+    fn start(lake: Lake, identity: CommitIdentity, batch: RecordBatch) -> Self {
+        Self(Some(tokio::spawn(async move {
+            let mut writer = lake.append_writer(LakeTable::Events, &identity).await?;
+            writer.write(&batch).await.map(|()| writer)
+        })))
+    }
+
     /// Encodes `batch` next, on a task of its own.
     fn encode(mut writer: AppendWriter, batch: RecordBatch) -> Self {
-        Self(tokio::spawn(async move {
+        Self(Some(tokio::spawn(async move {
             writer.write(&batch).await.map(|()| writer)
-        }))
+        })))
     }
 
     /// The writer, once the chunk in hand is encoded; None when that failed (the commit
     /// then appends the group's rows instead).
-    async fn ready(self) -> Option<AppendWriter> {
-        match self.0.await {
+    async fn ready(mut self) -> Option<AppendWriter> {
+        let task = self.0.take()?;
+        match task.await {
             Ok(Ok(w)) => Some(w),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot encode a chunk of the group; the commit appends instead");
@@ -559,22 +577,15 @@ impl Committer {
         }
         // The chunk before is encoded first (waiting here only when encoding falls behind
         // the requests).
-        let writer = match self.open.writer.take() {
-            Some(encoder) => encoder.ready().await,
+        match self.open.writer.take() {
             None => {
                 let identity = CommitIdentity::new(self.options.writer_id.clone(), self.open.id);
-                match self.lake.append_writer(LakeTable::Events, &identity).await {
-                    Ok(w) => Some(w),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot open the group's data files; the commit appends instead");
-                        None
-                    }
-                }
+                self.open.writer = Some(Encoder::start(self.lake.clone(), identity, batch));
             }
-        };
-        match writer {
-            Some(w) => self.open.writer = Some(Encoder::encode(w, batch)),
-            None => self.open.writer_failed = true,
+            Some(encoder) => match encoder.ready().await {
+                Some(w) => self.open.writer = Some(Encoder::encode(w, batch)),
+                None => self.open.writer_failed = true,
+            },
         }
     }
 
@@ -636,9 +647,19 @@ impl Committer {
             let started = Instant::now();
             let summary: HashMap<String, String> =
                 [(SUMMARY_INGEST_MIN.to_string(), first_ingest.to_string())].into();
-            // The last chunk handed to the encoder first.
+            // The last chunk handed to the encoder first. Its files are used only if they
+            // hold every chunk but the tail (else the rows are appended).
+            let encoded_rows: usize = batches.iter().map(RecordBatch::num_rows).sum::<usize>()
+                - tail
+                    .as_ref()
+                    .ok()
+                    .and_then(Option::as_ref)
+                    .map_or(0, RecordBatch::num_rows);
             let writer = match writer {
-                Some(encoder) => encoder.ready().await,
+                Some(encoder) => encoder
+                    .ready()
+                    .await
+                    .filter(|w| w.rows() == encoded_rows as u64),
                 None => None,
             };
             let events = match (tail, writer) {
@@ -983,6 +1004,10 @@ mod tests {
         }
         // Requests of 1,000: a chunk is cut at the first request past 8,192 rows.
         assert_eq!(c.open.batches.len(), 2, "two chunks handed to the encoder");
+        // Both encoded into the group's files, in one writer (handed back to the group).
+        let writer = c.open.writer.take().unwrap().ready().await.unwrap();
+        assert_eq!(writer.rows(), 18_000);
+        c.open.writer = Some(Encoder(Some(tokio::spawn(async move { Ok(writer) }))));
         let result = c.start_commit().await;
         assert!(c.finish_commit(result));
         for r in replies {

@@ -123,8 +123,9 @@ pub struct LiveConfig {
     /// Who runs the job: the owner of its lease (see [`LIVE_LEASE_TTL`]). One per process
     /// by default, so a job recovered in the same process keeps its lease.
     pub instance: String,
-    /// How often the job's lease is renewed (every second; a test holds the renewals off
-    /// to see what the fence alone refuses).
+    /// How often the job's lease is renewed: every second, at least every 100 ms. Well
+    /// under [`LIVE_LEASE_COMMIT_WITHIN`] outside tests, or every commit renews in line
+    /// (a test holds the renewals off to see what the fence alone refuses).
     pub lease_renew_every: Duration,
     /// How long failures that no retry can mend ([`ErrorKind::retryable`] false: a
     /// corrupt checkpoint, a configuration error) may last, the job recovering from its
@@ -255,7 +256,7 @@ impl LeaseKeeper {
                 (Arc::clone(&lost), Arc::clone(&broken), Arc::clone(&renewed));
             tokio::spawn(async move {
                 loop {
-                    tokio::time::sleep(renew_every).await;
+                    tokio::time::sleep(renew_every.max(Duration::from_millis(100))).await;
                     let sent = Renewal::now();
                     match lake
                         .take_lease(LIVE_LEASE, &job, &namespace, &owner, LIVE_LEASE_TTL)
