@@ -608,16 +608,8 @@ fn windows_not_final_are_pending_not_matched() {
          WHERE completeness = 'provisional'",
     ) as u64;
     assert!(open > 0, "the last minute's windows are still open");
-    let run = |from: &str, to: &str, out: &str| {
-        let o = sw(&lake)
-            .args(["reconcile", "--job", "market_aggregates"])
-            .args(["--from", from, "--to", to, "--out"])
-            .arg(dir.path().join(out))
-            .output()
-            .unwrap();
-        let json = std::fs::read_to_string(dir.path().join(out).join("report.json")).unwrap();
-        (o, serde_json::from_str::<Value>(&json).unwrap())
-    };
+    let run =
+        |from: &str, to: &str, out: &str| reconcile_range(&lake, from, to, &dir.path().join(out));
     // The open windows alone.
     let (o, r) = run("2026-01-01T00:16:00Z", "2026-01-01T01:00:00Z", "open");
     assert_eq!(o.status.code(), Some(0), "{}", r["findings"]);
@@ -698,44 +690,15 @@ fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
         .args(["--chunk-records", "200"])
         .output()
         .unwrap());
-    let run = |out: &str| {
-        let o = sw(&lake)
-            .args(["reconcile", "--job", "market_aggregates"])
-            .args([
-                "--from",
-                "2026-01-01T00:00:00Z",
-                "--to",
-                "2026-01-01T00:10:00Z",
-                "--out",
-            ])
-            .arg(dir.path().join(out))
-            .output()
-            .unwrap();
-        let json = std::fs::read_to_string(dir.path().join(out).join("report.json")).unwrap();
-        (o, serde_json::from_str::<Value>(&json).unwrap())
-    };
+    let run =
+        |from: &str, to: &str, out: &str| reconcile_range(&lake, from, to, &dir.path().join(out));
     // Before the job has run: the last minute's window, which the events have not
     // closed yet, is pending (a job that emits on time only has written nothing for it).
-    let o = sw(&lake)
-        .args(["reconcile", "--job", "market_aggregates"])
-        .args([
-            "--from",
-            "2026-01-01T00:16:00Z",
-            "--to",
-            "2026-01-01T00:17:00Z",
-            "--out",
-        ])
-        .arg(dir.path().join("open"))
-        .output()
-        .unwrap();
-    let open: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("open/report.json")).unwrap(),
-    )
-    .unwrap();
+    let (o, open) = run("2026-01-01T00:16:00Z", "2026-01-01T00:17:00Z", "open");
     assert_eq!(o.status.code(), Some(0), "{}", open["findings"]);
     assert!(u(&open, "/windows/pending") > 0, "{}", open["windows"]);
     // The closed ones are a finding.
-    let (o, r) = run("before");
+    let (o, r) = run("2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z", "before");
     assert_eq!(o.status.code(), Some(1), "{}", r["findings"]);
     assert_eq!(finding_kinds(&r), ["no_outputs"], "{}", r["findings"]);
     assert!(u(&r, "/findings/0/count") > 0, "{}", r["findings"]);
@@ -749,7 +712,7 @@ fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
         ])
         .output()
         .unwrap());
-    let (o, r) = run("after");
+    let (o, r) = run("2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z", "after");
     assert_eq!(o.status.code(), Some(1), "{}", r["findings"]);
     assert_eq!(u(&r, "/windows/mismatched"), 1, "{}", r["windows"]);
     assert!(u(&r, "/windows/matched") > 0, "{}", r["windows"]);
@@ -768,6 +731,19 @@ fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
         column[1].as_f64().unwrap() < 0.0,
         "the output's wrapped: {column}"
     );
+}
+
+/// `reconcile` of market_aggregates over `[from, to)`, its report written to `out`: the
+/// process's output and the JSON report.
+fn reconcile_range(lake: &Path, from: &str, to: &str, out: &Path) -> (std::process::Output, Value) {
+    let o = sw(lake)
+        .args(["reconcile", "--job", "market_aggregates"])
+        .args(["--from", from, "--to", to, "--out"])
+        .arg(out)
+        .output()
+        .unwrap();
+    let json = std::fs::read_to_string(out.join("report.json")).unwrap();
+    (o, serde_json::from_str(&json).unwrap())
 }
 
 fn plan_json(args: &[&str]) -> (i32, Value) {

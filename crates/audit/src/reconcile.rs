@@ -364,9 +364,9 @@ fn ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-/// The first figure of a one-row answer, as a count.
-fn get_first(v: &[i64]) -> u64 {
-    v.first().copied().unwrap_or(0).max(0) as u64
+/// Figure `i` of a one-row answer, as a count (0 when absent or negative).
+fn figure(v: &[i64], i: usize) -> u64 {
+    v.get(i).copied().unwrap_or(0).max(0) as u64
 }
 
 /// A column of `batch` as Utf8 values.
@@ -917,7 +917,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     // open are pending, as a job that emits only on time has written nothing for them.
     let silent = match job_watermark {
         Some(_) => 0,
-        None => get_first(
+        None => figure(
             &one_row(
                 &ctx,
                 "oracle windows closed by the events",
@@ -928,6 +928,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
                 ),
             )
             .await?,
+            0,
         ),
     };
     // 7. Comparison.
@@ -997,16 +998,15 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         ),
     )
     .await?;
-    let get = |v: &[i64], i: usize| v.get(i).copied().unwrap_or(0).max(0) as u64;
     let windows = WindowFigures {
-        compared: get(&w, 0),
-        matched: get(&w, 1),
-        mismatched: get(&w, 2),
-        missing: get(&w, 3),
-        extra: get(&w, 4),
-        pending: get(&w, 5),
-        not_final: get(&w, 6),
-        versions_repeated: get(&repeated, 0),
+        compared: figure(&w, 0),
+        matched: figure(&w, 1),
+        mismatched: figure(&w, 2),
+        missing: figure(&w, 3),
+        extra: figure(&w, 4),
+        pending: figure(&w, 5),
+        not_final: figure(&w, 6),
+        versions_repeated: figure(&repeated, 0),
     };
     let differences = differences(&ctx, spec, request.list_limit).await?;
 
@@ -1042,9 +1042,9 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     )
     .await?;
     let (counted_bad, counted_pending, counted_ok) = (
-        get(&counted_check, 0),
-        get(&counted_check, 1),
-        get(&counted_check, 2),
+        figure(&counted_check, 0),
+        figure(&counted_check, 1),
+        figure(&counted_check, 2),
     );
     // Counted records none of whose windows starts in the range (a session that began
     // before `from`): counted, not compared.
@@ -1083,7 +1083,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
     let oracle_late = class("late_horizon") + class("late_window") + class("null_key");
     let late = LateCheck {
         oracle_late,
-        routed_late: get(&routed_total, 0),
+        routed_late: figure(&routed_total, 0),
         not_routed_count: not_routed.len() as u64,
         routed_but_counted_count: routed_extra.len() as u64,
         not_routed: not_routed

@@ -1381,22 +1381,29 @@ mod tests {
     use crate::lake::CommitIdentity;
     use crate::lake::tests::events;
 
+    /// A fresh embedded lake at `dir` whose events table has four commits of ten events.
+    async fn four_commits(dir: &std::path::Path) -> Lake {
+        let lake = Lake::open(LakeConfig::embedded(dir)).await.expect("open");
+        lake.init().await.expect("init");
+        let data = events(40);
+        for i in 0..4 {
+            lake.append(
+                LakeTable::Events,
+                &[data.slice(i * 10, 10)],
+                &CommitIdentity::new("four", i as u64),
+            )
+            .await
+            .expect("append");
+        }
+        lake
+    }
+
     /// A transient hold (a planning step's) a crash left behind is dropped once older
     /// than its time to live; a fresh one, and an old hold of another kind, stay.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transient_hold_left_behind_is_dropped_in_time() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let lake = Lake::open(LakeConfig::embedded(dir.path()))
-            .await
-            .expect("open");
-        lake.init().await.expect("init");
-        lake.append(
-            LakeTable::Events,
-            &[events(10)],
-            &CommitIdentity::new("t", 1),
-        )
-        .await
-        .expect("append");
+        let lake = four_commits(dir.path()).await;
         let s = lake
             .table(LakeTable::Events)
             .await
@@ -1437,20 +1444,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_expiry_whose_commit_fails_for_a_while_retries_in_the_same_pass() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let lake = Lake::open(LakeConfig::embedded(dir.path()))
-            .await
-            .expect("open");
-        lake.init().await.expect("init");
-        let data = events(40);
-        for i in 0..4 {
-            lake.append(
-                LakeTable::Events,
-                &[data.slice(i * 10, 10)],
-                &CommitIdentity::new("busy", i as u64),
-            )
-            .await
-            .expect("append");
-        }
+        let lake = four_commits(dir.path()).await;
         // The catalog refuses to move any table's pointer, as a database whose lock
         // another writer holds would, until the trigger goes.
         sqlx::query(
@@ -1503,20 +1497,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_expiry_commit_refuses_what_a_hold_taken_meanwhile_keeps() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let lake = Lake::open(LakeConfig::embedded(dir.path()))
-            .await
-            .expect("open");
-        lake.init().await.expect("init");
-        let data = events(40);
-        for i in 0..4 {
-            lake.append(
-                LakeTable::Events,
-                &[data.slice(i * 10, 10)],
-                &CommitIdentity::new("held", i as u64),
-            )
-            .await
-            .expect("append");
-        }
+        let lake = four_commits(dir.path()).await;
         let base = lake.table(LakeTable::Events).await.expect("table");
         let mut ids: Vec<(i64, i64)> = base
             .metadata()

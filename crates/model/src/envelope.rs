@@ -83,29 +83,6 @@ impl Event {
     /// How many strings an event holds at most (each its own allocation).
     const STRINGS: usize = 10;
 
-    /// The bytes this event holds in memory: its struct and its strings' allocations.
-    pub fn memory_bytes(&self) -> usize {
-        let strings = [
-            Some(self.event_id.as_str()),
-            Some(self.event_type.as_str()),
-            Some(self.tenant.as_str()),
-            Some(self.producer_id.as_str()),
-            Some(self.partition_key.as_str()),
-            self.order_id.as_deref(),
-            self.customer_id.as_deref(),
-            self.market_id.as_deref(),
-            self.currency.as_deref(),
-            self.attributes.as_deref(),
-        ];
-        std::mem::size_of::<Event>()
-            + strings
-                .iter()
-                .flatten()
-                .filter(|s| !s.is_empty())
-                .map(|s| s.len() + ALLOCATION_OVERHEAD_BYTES)
-                .sum::<usize>()
-    }
-
     /// The wire form of this event (what a producer sends).
     pub fn to_wire_json(&self) -> Value {
         let mut payload = match self
@@ -953,6 +930,29 @@ fn check_unit(
 mod tests {
     use super::*;
 
+    /// The bytes `e` holds in memory: its struct and its strings' allocations.
+    fn memory_bytes(e: &Event) -> usize {
+        let strings = [
+            Some(e.event_id.as_str()),
+            Some(e.event_type.as_str()),
+            Some(e.tenant.as_str()),
+            Some(e.producer_id.as_str()),
+            Some(e.partition_key.as_str()),
+            e.order_id.as_deref(),
+            e.customer_id.as_deref(),
+            e.market_id.as_deref(),
+            e.currency.as_deref(),
+            e.attributes.as_deref(),
+        ];
+        std::mem::size_of::<Event>()
+            + strings
+                .iter()
+                .flatten()
+                .filter(|s| !s.is_empty())
+                .map(|s| s.len() + ALLOCATION_OVERHEAD_BYTES)
+                .sum::<usize>()
+    }
+
     /// An event's memory is at most its wire form's bytes plus the overhead memory budgets
     /// count per event: the gateway's estimate of a batch's copies never falls short.
     #[test]
@@ -989,7 +989,7 @@ mod tests {
         };
         for e in [full, bare] {
             let wire = serde_json::to_vec(&e.to_wire_json()).expect("json").len();
-            let memory = e.memory_bytes();
+            let memory = memory_bytes(&e);
             assert!(
                 memory > wire / 2,
                 "{memory} bytes counted for {wire} on the wire"
