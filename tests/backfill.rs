@@ -173,6 +173,17 @@ fn backfill_cmd(lake: &Path, verb: &str, namespace: &str) -> Output {
         .unwrap()
 }
 
+/// Promotes `namespace`: the promoted range as printed, and the whole output.
+fn promote(lake: &Path, namespace: &str) -> (String, String, String) {
+    let out = ok(backfill_cmd(lake, "promote", namespace));
+    let range = out
+        .split_once(" starting in [")
+        .and_then(|(_, r)| r.split_once(')'))
+        .and_then(|(r, _)| r.split_once(", "))
+        .unwrap_or_else(|| panic!("no range in {out}"));
+    (range.0.to_string(), range.1.to_string(), out)
+}
+
 const OUTPUTS: &str = "select key, cast(window_start as varchar) w, output_version, completeness, \
      events, placed_count, placed_amount_minor, paid_count, paid_amount_minor, cancelled_count, \
      cancelled_amount_minor from signalweave.{t} order by key, w, output_version";
@@ -609,21 +620,90 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
         "every record version 1 found late is counted by version 2: {c}"
     );
 
-    // Promotion: the current view and the serving API take the range from the namespace.
+    // A record committed after the backfill's snapshot: the namespace never read it, and
+    // until the live job has found it late, the promotion stops before its window.
+    let market_record = |id: &str, at: &str| {
+        serde_json::json!({
+            "business_version": 1, "customer_id": "c-1", "event_id": id, "event_time": at,
+            "event_type": "order_paid", "market_id": "m-0", "order_id": "o-late",
+            "partition_key": "m-0",
+            "payload": {"amount_minor": 100, "currency": "GBP", "payment_method": "card"},
+            "producer_id": "producer-late", "producer_seq": 0, "schema_version": "1.0.0",
+            "tenant": "tenant-0"
+        })
+    };
+    let land = |name: &str, record: Value| {
+        let file = dir.path().join(name);
+        std::fs::write(&file, format!("{record}\n")).unwrap();
+        ok(sw(&lake).arg("load").arg(&file).output().unwrap());
+    };
+    land(
+        "unread.ndjson",
+        market_record("ev-unread", "2026-01-01T00:30:10Z"),
+    );
+    let (_, to, said) = promote(&lake, "fix_lateness");
+    assert_eq!(
+        chrono::DateTime::parse_from_rfc3339(&to).unwrap(),
+        chrono::DateTime::parse_from_rfc3339("2026-01-01T00:30:00Z").unwrap(),
+        "{said}"
+    );
+    assert!(
+        said.contains("committed after the backfill's snapshot"),
+        "{said}"
+    );
+    ok(backfill_cmd(&lake, "rollback", "fix_lateness"));
+    ok(sw(&lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/market_aggregates.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap());
+    assert_eq!(
+        count(
+            &lake,
+            "select count(*) from signalweave.late_events where event_id = 'ev-unread' \
+             and namespace = 'live'"
+        ),
+        1
+    );
+
+    // Promotion: the current view and the serving API take the range from the namespace,
+    // up to where the live job can still correct windows: the history ends at about
+    // 03:20, and version 1 allows 2 h of lateness, so later windows stay live and a late
+    // record for one of them is served.
     let before_promotion = chrono::Utc::now();
     std::thread::sleep(Duration::from_millis(20));
-    ok(backfill_cmd(&lake, "promote", "fix_lateness"));
-    let by_ns_query = format!(
-        "select namespace, count(*) n from signalweave.market_aggregates_current \
-         where window_start >= '{FROM}' and window_start < '{TO}' group by namespace"
+    let (from, promoted_to, said) = promote(&lake, "fix_lateness");
+    assert_eq!(
+        chrono::DateTime::parse_from_rfc3339(&from).unwrap(),
+        chrono::DateTime::parse_from_rfc3339(FROM).unwrap()
     );
-    let by_ns = |lake: &Path| sql(lake, &by_ns_query);
+    let promoted_end = chrono::DateTime::parse_from_rfc3339(&promoted_to).unwrap();
+    assert!(
+        promoted_end > chrono::DateTime::parse_from_rfc3339("2026-01-01T01:10:00Z").unwrap()
+            && promoted_end < chrono::DateTime::parse_from_rfc3339("2026-01-01T01:30:00Z").unwrap(),
+        "{said}"
+    );
+    assert!(said.contains("the live job can still correct"), "{said}");
+    let by_ns_query = |from: &str, to: &str| {
+        format!(
+            "select namespace, count(*) n from signalweave.market_aggregates_current \
+             where window_start >= '{from}' and window_start < '{to}' group by namespace"
+        )
+    };
+    let by_ns = |lake: &Path| sql(lake, &by_ns_query(FROM, &promoted_to));
     let rows = by_ns(&lake);
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0]["namespace"], "fix_lateness");
+    let after = sql(&lake, &by_ns_query(&promoted_to, TO));
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(after[0]["namespace"], "live");
     // Read as of a moment before it, the view is as it was then.
     let as_of = ok(sw(&lake)
-        .args(["sql", &by_ns_query, "--format", "json", "--as-of"])
+        .args(["sql", &by_ns_query(FROM, TO), "--format", "json", "--as-of"])
         .arg(before_promotion.to_rfc3339())
         .output()
         .unwrap());
@@ -657,7 +737,43 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
     assert_eq!(a["promotions"][0]["namespace"], "fix_lateness", "{a}");
     let windows = a["windows"].as_array().unwrap();
     assert!(windows.len() > 100, "{a}");
-    assert!(windows.iter().all(|w| w["namespace"] == "fix_lateness"));
+    let promoted_window = |w: &Value| {
+        chrono::DateTime::parse_from_rfc3339(w["window_start"].as_str().unwrap()).unwrap()
+            < promoted_end
+    };
+    assert!(
+        windows
+            .iter()
+            .all(|w| (w["namespace"] == "fix_lateness") == promoted_window(w))
+    );
+    // A late record for a window after the promotion's end: the live job corrects it, and
+    // the correction is served.
+    let unpromoted = windows
+        .iter()
+        .find(|w| !promoted_window(w))
+        .unwrap()
+        .clone();
+    land(
+        "late.ndjson",
+        market_record(
+            "ev-late-after-promotion",
+            unpromoted["window_start"].as_str().unwrap(),
+        ),
+    );
+    let corrected = || {
+        answer(&base)["windows"]
+            .as_array()?
+            .iter()
+            .find(|w| w["window_start"] == unpromoted["window_start"])
+            .cloned()
+    };
+    let before_events = unpromoted["events"].as_i64().unwrap();
+    wait_until("the correction served", Duration::from_secs(30), || {
+        corrected().is_some_and(|w| w["events"].as_i64() == Some(before_events + 1))
+    });
+    let served = corrected().unwrap();
+    assert_eq!(served["namespace"], "live", "{served}");
+    assert_eq!(served["completeness"], "corrected", "{served}");
     // The serving version only grows for a window when the namespace serving it changes,
     // although each namespace counts its output versions from 1.
     let promoted = windows[0].clone();
@@ -870,17 +986,16 @@ fn backfills_run_on_s3_with_sqlite_and_postgresql_catalogs() {
             "{}",
             b.name
         );
-        ok(backfill_cmd(&lake, "promote", "resumed"));
-        let rows = sql(
-            &lake,
-            &format!(
-                "select distinct namespace from signalweave.market_aggregates_current \
-                 where window_start >= '{FROM}' and window_start < '{TO}'"
-            ),
+        // Its 8,000 events end about an hour after the range starts, and the live job
+        // allows 2 h of lateness: it can still correct every window, so none is promoted.
+        let refused = backfill_cmd(&lake, "promote", "resumed");
+        assert_eq!(refused.status.code(), Some(3), "{}: {refused:?}", b.name);
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            said.contains("the live job can still correct"),
+            "{}: {said}",
+            b.name
         );
-        assert_eq!(rows.len(), 1, "{}: {rows:?}", b.name);
-        assert_eq!(rows[0]["namespace"], "resumed", "{}", b.name);
-        ok(backfill_cmd(&lake, "rollback", "resumed"));
         eprintln!("{}: ok", b.name);
     }
 }

@@ -630,7 +630,8 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                 compare::backfill_record(&lake, &a.target.job, &a.target.namespace).await?;
             let live = find_spec(&a.jobs_dir, &record.job, None)?;
             let spec = find_spec(&a.jobs_dir, &record.job, Some(record.job_version))?;
-            let p = compare::promote(&lake, &live, &spec, &record, &who(&a.by)).await?;
+            let promoted = compare::promote(&lake, &live, &spec, &record, &who(&a.by)).await?;
+            let p = &promoted.promotion;
             outln!(
                 "promoted {} (version {}) for windows of {} starting in [{}, {}), by {}",
                 p.namespace,
@@ -640,6 +641,13 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                 format_rfc3339_micros(p.to_us),
                 p.promoted_by
             )?;
+            if p.to_us < record.to_us {
+                outln!(
+                    "it ends at {}: {}",
+                    format_rfc3339_micros(p.to_us),
+                    promoted.end.explain()
+                )?;
+            }
             Ok(ExitCode::SUCCESS)
         }
         BackfillCommand::Rollback(a) => {

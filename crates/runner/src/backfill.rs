@@ -170,6 +170,10 @@ pub struct BackfillRecord {
     pub lead_in_us: i64,
     /// The pinned landing-table snapshot (None: the table was empty).
     pub snapshot_id: Option<i64>,
+    /// The sequence number of the snapshot it was planned on: no sub-range read a record
+    /// committed after it, but one moved to a newer snapshot by an erasure (a move keeps
+    /// it). None: the table was empty, or a version that did not record it.
+    pub snapshot_seq: Option<i64>,
     /// `pending`, `running`, `paused`, `completed`, `aborted` or `failed`.
     pub state: String,
     /// What the operator asked for: `run`, `pause` or `abort`.
@@ -297,7 +301,7 @@ pub struct BackfillStore {
 
 const RECORD_COLUMNS: &str = "job, namespace, job_version, from_us, to_us, lead_in_us, \
      snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, runner, heartbeat_ms, \
-     preemptions, last_decision, rate_limit, last_error, exact_dedup";
+     preemptions, last_decision, rate_limit, last_error, exact_dedup, snapshot_seq";
 
 impl BackfillStore {
     /// Opens the store, creating its tables where missing.
@@ -330,6 +334,7 @@ impl BackfillStore {
         // Added after the tables' first release: a database from before gets them (null:
         // off, and not recorded).
         store.add_column("sw_backfills", "exact_dedup").await?;
+        store.add_column("sw_backfills", "snapshot_seq").await?;
         for column in STAGE_COLUMNS {
             store.add_column("sw_backfill_ranges", column).await?;
         }
@@ -379,6 +384,7 @@ impl BackfillStore {
             to_us: row.try_get("to_us")?,
             lead_in_us: row.try_get("lead_in_us")?,
             snapshot_id: row.try_get("snapshot_id")?,
+            snapshot_seq: row.try_get("snapshot_seq")?,
             state: row.try_get("state")?,
             desired: row.try_get("desired")?,
             budgets: serde_json::from_str(&budgets).unwrap_or_default(),
@@ -511,7 +517,8 @@ impl BackfillStore {
         let sql = self.q(
             "INSERT INTO sw_backfills (catalog_name, job, namespace, job_version, from_us, to_us, \
              lead_in_us, snapshot_id, state, desired, budgets, created_by, created_ms, updated_ms, \
-             preemptions, exact_dedup) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15)",
+             preemptions, exact_dedup, snapshot_seq) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15, $16)",
         );
         sqlx::query(&sql)
             .bind(self.catalog())
@@ -529,6 +536,7 @@ impl BackfillStore {
             .bind(record.created_ms)
             .bind(record.updated_ms)
             .bind(i64::from(record.exact_dedup))
+            .bind(record.snapshot_seq)
             .execute(&mut *tx)
             .await
             .map_err(|e| match RunnerError::sql("record the backfill", e) {
@@ -916,10 +924,11 @@ pub async fn create(
     let output = backfill_output_table(spec, &request.namespace)?;
     lake.ensure_output_table(output).await?;
     let events = lake.table(LakeTable::Events).await?;
-    let snapshot_id = events
+    let (snapshot_id, snapshot_seq) = events
         .metadata()
         .current_snapshot()
-        .map(|s| s.snapshot_id());
+        .map(|s| (s.snapshot_id(), s.sequence_number()))
+        .unzip();
     let lead_in = lead_in_us(spec);
     // Each sub-range's records are estimated from the files' event-time spans, as its
     // dedup set is sized: the files it reads counted whole would overstate it about
@@ -985,6 +994,7 @@ pub async fn create(
         to_us: request.to_us,
         lead_in_us: lead_in,
         snapshot_id,
+        snapshot_seq,
         state: "pending".into(),
         desired: "run".into(),
         budgets: request.budgets,
@@ -2876,6 +2886,7 @@ mod tests {
             to_us: 60_000_000,
             lead_in_us: 0,
             snapshot_id: Some(snapshot_id),
+            snapshot_seq: None,
             state: "pending".into(),
             desired: "run".into(),
             budgets: Budgets::default(),

@@ -2,11 +2,17 @@
 //! outputs for its range, and making it authoritative.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::DataType;
+use datafusion::prelude::SessionContext;
+use datafusion::sql::TableReference;
 use serde::Serialize;
-use signalweave_lake::{Lake, Promotion};
+use signalweave_lake::{
+    COMMIT_ORDER, Lake, LakeTable, LakeTableProvider, NAMESPACE, Promotion, SQL_CATALOG,
+    SnapshotChoice,
+};
 use signalweave_model::{ErrorKind, format_rfc3339_micros};
 use signalweave_window::{JobSpec, WindowSpec, micros};
 
@@ -303,18 +309,69 @@ pub async fn compare(
     Ok(cmp)
 }
 
+/// What ends a promotion where it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PromotionEnd {
+    /// The backfill's range.
+    RangeEnd,
+    /// The watermark of the input the backfill read: later windows are not final in it.
+    InputWatermark,
+    /// The live job's watermark minus its allowed lateness: the live job can still correct
+    /// a window ending later, and a promotion would hide that correction.
+    LiveCanCorrect,
+    /// The namespace's first `partial` window.
+    Partial,
+    /// The first window holding a record committed after the backfill's snapshot that the
+    /// live job did not find late: the live outputs count it (or will), the namespace never
+    /// read it.
+    Unread,
+}
+
+impl PromotionEnd {
+    /// Why, in words.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Self::RangeEnd => "the backfill's range ends there",
+            Self::InputWatermark => {
+                "the input the backfill read has no watermark past it: later windows are not final"
+            }
+            Self::LiveCanCorrect => {
+                "the live job can still correct later windows (its watermark minus its allowed \
+                 lateness); promote them once they retire, after a rollback"
+            }
+            Self::Partial => "the backfill wrote the window starting there partial",
+            Self::Unread => {
+                "a record committed after the backfill's snapshot falls in the window starting \
+                 there, and the live job counts it (or has not read it yet); backfill again to \
+                 promote it"
+            }
+        }
+    }
+}
+
+/// A recorded promotion, and what ends it where it ends.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Promoted {
+    /// As recorded in `sw_promotions`.
+    pub promotion: Promotion,
+    /// What ends it.
+    pub end: PromotionEnd,
+}
+
 /// Promotes a completed backfill: its namespace becomes authoritative for the windows
 /// starting in its range, up to the first window (of either version) that is not final in
-/// it: one crossing the range's end or the input's watermark, or `partial`. Requires the namespace's
-/// outputs to have the live outputs' columns (the serving API and the current view show
-/// one schema per job).
+/// it (one crossing the range's end or the input's watermark, or `partial`) or that the
+/// live outputs may still change or have changed since the backfill's snapshot (see
+/// [`PromotionEnd`]). Requires the namespace's outputs to have the live outputs' columns
+/// (the serving API and the current view show one schema per job).
 pub async fn promote(
     lake: &Lake,
     live: &JobSpec,
     spec: &JobSpec,
     record: &BackfillRecord,
     by: &str,
-) -> Result<Promotion> {
+) -> Result<Promoted> {
     if record.state != "completed" {
         return Err(RunnerError::new(
             ErrorKind::Conflict,
@@ -368,10 +425,12 @@ pub async fn promote(
     // to the live outputs. A window crossing that point is `partial` in the namespace, or
     // missing from it where its key had no events before the point, while the live
     // outputs hold it whole: so the promotion stops at the earliest start of a window (of
-    // either version) crossing the point, and at the first partial window (a session's
-    // bounds are its events').
+    // either version) crossing the point, and at the first partial window.
     let ns_table = record.output_table(spec)?;
     lake.ensure_output_table(ns_table).await?;
+    let live_table = output_table(live, "live")?;
+    lake.ensure_output_table(live_table).await?;
+    let ctx = lake.session_context().await?;
     let recorded: Vec<Option<i64>> = BackfillStore::open(lake.clone())
         .await?
         .subranges(&record.job, &record.namespace)
@@ -380,34 +439,22 @@ pub async fn promote(
         .filter(|s| s.state == "done")
         .map(|s| s.input_watermark_us)
         .collect();
-    let bounds = lake
-        .session_context()
-        .await?
-        .sql(&format!(
-            "SELECT min(CASE WHEN completeness = 'partial' THEN arrow_cast(window_start, 'Int64') END) AS p, \
-             max(arrow_cast(watermark, 'Int64')) AS w FROM {}",
+    let bounds: [_; 2] = one_row(
+        &ctx,
+        &format!(
+            "SELECT min(CASE WHEN completeness = 'partial' THEN arrow_cast(window_start, 'Int64') END), \
+             max(arrow_cast(watermark, 'Int64')) FROM {}",
             ns_table.name()
-        ))
-        .await
-        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?
-        .collect()
-        .await
-        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?;
-    let value = |column: usize| {
-        bounds.first().and_then(|b| {
-            let c = b
-                .column(column)
-                .as_primitive_opt::<arrow::datatypes::Int64Type>()?;
-            (!c.is_empty() && !c.is_null(0)).then(|| c.value(0))
-        })
-    };
-    let first_partial = value(0);
+        ),
+    )
+    .await?;
+    let first_partial = bounds[0];
     // Sub-ranges done across an upgrade: the lowest recorded, or the rows' if lower.
     let known = recorded.iter().flatten().copied().min();
     let watermark = if !recorded.is_empty() && recorded.iter().all(Option::is_some) {
         known
     } else {
-        [known, value(1)].into_iter().flatten().min()
+        [known, bounds[1]].into_iter().flatten().min()
     };
     let Some(watermark) = watermark else {
         return Err(RunnerError::new(
@@ -419,31 +466,89 @@ pub async fn promote(
             ),
         ));
     };
-    let end = record.to_us.min(watermark);
-    let to_us = [
+    // The live outputs must not change under a promoted window, or the change is never
+    // served: the promotion ends where the live job can still correct windows (its
+    // watermark, as of its last emission, minus its allowed lateness: a window ending
+    // later has not retired), and before the first window holding a record the backfill
+    // never read (committed after its snapshot) that the live job did not find late.
+    let [live_watermark] = one_row(
+        &ctx,
+        &format!(
+            "SELECT max(arrow_cast(watermark, 'Int64')) FROM {}",
+            live_table.name()
+        ),
+    )
+    .await?;
+    let retired_by = live_watermark.map(|w| w.saturating_sub(micros(live.lateness.allowed)));
+    let unread = match record.snapshot_seq {
+        Some(seq) => {
+            let span = live.window.span_us().max(spec.window.span_us());
+            first_unread(lake, &ctx, live, seq, from_us.saturating_sub(span)).await?
+        }
+        None => {
+            tracing::warn!(namespace = %record.namespace, "the backfill did not record its snapshot's sequence number: records committed after it are not looked for");
+            None
+        }
+    };
+    let (end, mut cause) = [
+        (Some(record.to_us), PromotionEnd::RangeEnd),
+        (Some(watermark), PromotionEnd::InputWatermark),
+        (retired_by, PromotionEnd::LiveCanCorrect),
+        (unread, PromotionEnd::Unread),
+    ]
+    .into_iter()
+    .filter_map(|(t, why)| Some((t?, why)))
+    .min_by_key(|(t, _)| *t)
+    .unwrap_or((record.to_us, PromotionEnd::RangeEnd));
+    // A window (of either version) crossing `end` is not final, or not retired, on one
+    // side: the promotion stops at its start. Sessions have no fixed shape: the outputs
+    // tell where they are.
+    let mut to_us = [
         Some(end),
-        first_partial,
         live.window.starts_ending_by(end),
         spec.window.starts_ending_by(end),
-        edge.map(|l| end.div_euclid(l).saturating_mul(l)),
     ]
     .into_iter()
     .flatten()
     .min()
     .unwrap_or(end);
+    if matches!(live.window, WindowSpec::Session { .. })
+        || matches!(spec.window, WindowSpec::Session { .. })
+    {
+        let crossing = |table: &str| {
+            format!(
+                "SELECT min(arrow_cast(window_start, 'Int64')) FROM {table} \
+                 WHERE arrow_cast(window_end, 'Int64') > {end} \
+                 AND arrow_cast(window_start, 'Int64') >= {from_us}"
+            )
+        };
+        for table in [ns_table.name(), live_table.name()] {
+            if let [Some(t)] = one_row(&ctx, &crossing(table)).await? {
+                to_us = to_us.min(t);
+            }
+        }
+    }
+    if let Some(t) = first_partial
+        && t < to_us
+    {
+        (to_us, cause) = (t, PromotionEnd::Partial);
+    }
+    if let Some(l) = edge {
+        to_us = to_us.div_euclid(l).saturating_mul(l);
+    }
     if to_us <= from_us {
         return Err(RunnerError::new(
             ErrorKind::Conflict,
             format!(
-                "no window of the backfill in `{}` is final: its outputs end at {} \
-                 (the input's watermark or the range's end), before any window after {} ends",
+                "no window of the backfill in `{}` can be promoted: the promotion would end at \
+                 {}, before any window after {} ends ({})",
                 record.namespace,
-                format_rfc3339_micros(end),
+                format_rfc3339_micros(to_us.max(from_us)),
                 format_rfc3339_micros(record.from_us),
+                cause.explain(),
             ),
         ));
     }
-    let live_table = output_table(live, "live")?;
     let promotion = Promotion {
         job: record.job.clone(),
         namespace: record.namespace.clone(),
@@ -460,8 +565,78 @@ pub async fn promote(
         rolled_back_seq: None,
     };
     let promotion = lake.promote(&promotion).await?;
-    tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, "namespace promoted");
-    Ok(promotion)
+    tracing::info!(job = %promotion.job, namespace = %promotion.namespace, by, ends = ?cause, "namespace promoted");
+    Ok(Promoted {
+        promotion,
+        end: cause,
+    })
+}
+
+/// The earliest event time, from `from_us` on, of the records `live` reads that were
+/// committed after sequence number `seq` and that its live job did not route late (one it
+/// has not read yet counts).
+async fn first_unread(
+    lake: &Lake,
+    ctx: &SessionContext,
+    live: &JobSpec,
+    seq: i64,
+    from_us: i64,
+) -> Result<Option<i64>> {
+    let events = TableReference::full(SQL_CATALOG, NAMESPACE, "promote_events");
+    ctx.register_table(
+        events.clone(),
+        Arc::new(
+            LakeTableProvider::new(lake.clone(), LakeTable::Events, SnapshotChoice::Current)
+                .with_commit_sequence(),
+        ),
+    )
+    .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?;
+    let types = if live.source.event_types.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = live
+            .source
+            .event_types
+            .iter()
+            .map(|t| format!("'{}'", t.replace('\'', "''")))
+            .collect();
+        format!("AND e.event_type IN ({})", list.join(", "))
+    };
+    let time = &live.time.event_time_column;
+    let sql = format!(
+        "SELECT min(arrow_cast(e.\"{time}\", 'Int64')) FROM {events} e \
+         WHERE {COMMIT_ORDER} > {seq} \
+         AND e.\"{time}\" >= TIMESTAMP '{from}' {types} \
+         AND NOT EXISTS (SELECT 1 FROM {SQL_CATALOG}.{NAMESPACE}.late_events l \
+         WHERE l.job = '{job}' AND l.namespace = 'live' AND l.tenant = e.tenant \
+         AND l.event_id = e.event_id AND l.event_time = e.\"{time}\" \
+         AND l.ingest_time = e.ingest_time)",
+        job = live.name.replace('\'', "''"),
+        from = format_rfc3339_micros(from_us),
+    );
+    let [first] = one_row(ctx, &sql).await?;
+    Ok(first)
+}
+
+/// The first `N` integer columns of a one-row answer to `sql` (null, missing or no row:
+/// None).
+async fn one_row<const N: usize>(ctx: &SessionContext, sql: &str) -> Result<[Option<i64>; N]> {
+    let batches = ctx
+        .sql(sql)
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?
+        .collect()
+        .await
+        .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?;
+    Ok(std::array::from_fn(|i| {
+        let c = batches
+            .iter()
+            .find(|b| b.num_rows() > 0)?
+            .columns()
+            .get(i)?
+            .as_primitive_opt::<arrow::datatypes::Int64Type>()?;
+        (!c.is_null(0)).then(|| c.value(0))
+    }))
 }
 
 /// The size of a window shape that tiles time (tumbling, or sliding by its own size), µs.
