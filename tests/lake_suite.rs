@@ -721,6 +721,31 @@ async fn compaction_while_appending_loses_nothing_and_the_tail_reads_nothing_twi
             assert_eq!(arrivals.files(), 22, "{}: read {read}", b.name);
             assert_eq!(kept(&lake).await, 3, "{}: read {read}", b.name);
         }
+        // What is kept is what a plan reads: kept as empty, the compacted files' commits
+        // are gone from it; forgotten, they are read from the data again.
+        let set_kept = |sql: &'static str| {
+            let lake = lake.clone();
+            async move {
+                sqlx::query(&lake.control_sql(sql))
+                    .bind(lake.config().catalog_name.as_str())
+                    .execute(lake.control_pool())
+                    .await
+                    .unwrap();
+            }
+        };
+        set_kept("UPDATE sw_file_commits SET commits = '[]' WHERE catalog_name = $1").await;
+        let (arrivals, _) = lake
+            .file_statistics(LakeTable::Events, None, "event_time", "ingest_time", 0, &[])
+            .await
+            .unwrap();
+        assert!(arrivals.files() < 22, "{}: {}", b.name, arrivals.files());
+        set_kept("DELETE FROM sw_file_commits WHERE catalog_name = $1").await;
+        let (arrivals, _) = lake
+            .file_statistics(LakeTable::Events, None, "event_time", "ingest_time", 0, &[])
+            .await
+            .unwrap();
+        assert_eq!(arrivals.files(), 22, "{}", b.name);
+        assert_eq!(kept(&lake).await, 3, "{}", b.name);
         let current = lake.current_data_files(LakeTable::Events).await.unwrap();
         assert!(
             current.len() <= 3 + 4,

@@ -21,6 +21,8 @@
 //! its statistics bound the rows kept, so where an erased row held its largest event or
 //! ingest time, its step moves.
 
+use std::collections::HashMap;
+
 use arrow::array::{Array, AsArray};
 use arrow::datatypes::{Int64Type, TimestampMicrosecondType};
 use futures::TryStreamExt;
@@ -33,6 +35,9 @@ use crate::lake::Lake;
 use crate::layout::LakeTable;
 use crate::lineage::has_lineage;
 use crate::maintain::data_manifests;
+
+/// Paths per query on `sw_file_commits` (a statement's parameters are bounded).
+const KEPT_COMMITS_PER_QUERY: usize = 500;
 
 /// The reader's watermark as a function of arrival time (see the module documentation).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -299,10 +304,14 @@ impl Lake {
             .collect();
         let (files, ids, base) = self.live_data_files(table, snapshot_id, &columns).await?;
         let (event_id, arrival_id) = (ids[0], ids[1]);
-        let mut arrivals = Vec::new();
-        for (f, _) in files.iter().filter(|(f, _)| has_lineage(f)) {
-            arrivals.extend(self.commits_of(&base, f, event_id, arrival_id).await?);
-        }
+        let compacted: Vec<&DataFile> = files
+            .iter()
+            .map(|(f, _)| f)
+            .filter(|f| has_lineage(f))
+            .collect();
+        let arrivals = self
+            .commits_of_files(&base, &compacted, event_id, arrival_id)
+            .await?;
         let arrivals = arrivals
             .into_iter()
             .chain(
@@ -358,69 +367,104 @@ impl Lake {
         event_id: i32,
         arrival_id: i32,
     ) -> Result<Vec<ArrivedFile>> {
+        self.commits_of_files(base, &[file], event_id, arrival_id)
+            .await
+    }
+
+    /// [`Lake::commits_of`] of each of `files`, their kept summaries read a few hundred
+    /// files per query.
+    pub(crate) async fn commits_of_files(
+        &self,
+        base: &iceberg::table::Table,
+        files: &[&DataFile],
+        event_id: i32,
+        arrival_id: i32,
+    ) -> Result<Vec<ArrivedFile>> {
         let fields = format!("{event_id}/{arrival_id}");
-        let kept: std::result::Result<Option<(String,)>, _> = sqlx::query_as(&self.control_sql(
-            "SELECT commits FROM sw_file_commits WHERE catalog_name = $1 AND file_path = $2 \
-             AND fields = $3",
-        ))
-        .bind(self.config().catalog_name.as_str())
-        .bind(file.file_path())
-        .bind(&fields)
-        .fetch_optional(self.control_pool())
-        .await;
-        let summary = match kept {
-            Ok(Some((json,))) => match serde_json::from_str::<Vec<[i64; 4]>>(&json) {
-                Ok(commits) => Some(commits),
-                Err(e) => {
-                    tracing::warn!(file = file.file_path(), error = %e, "unreadable commit summary; reading the file");
-                    None
+        let paths: Vec<&str> = files.iter().map(|f| f.file_path()).collect();
+        let kept = self.kept_commits(&paths, &fields).await;
+        let mut out = Vec::new();
+        for file in files {
+            let summary = match kept.get(file.file_path()) {
+                Some(json) => match serde_json::from_str::<Vec<[i64; 4]>>(json) {
+                    Ok(commits) => Some(commits),
+                    Err(e) => {
+                        tracing::warn!(file = file.file_path(), error = %e, "unreadable commit summary; reading the file");
+                        None
+                    }
+                },
+                None => None,
+            };
+            let commits = match summary {
+                Some(commits) => commits,
+                None => {
+                    let commits = self.read_commits(base, file, event_id, arrival_id).await?;
+                    let json = serde_json::to_string(&commits).unwrap_or_default();
+                    let kept = sqlx::query(&self.control_sql(
+                        "INSERT INTO sw_file_commits (catalog_name, file_path, fields, commits) \
+                         VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                    ))
+                    .bind(self.config().catalog_name.as_str())
+                    .bind(file.file_path())
+                    .bind(&fields)
+                    .bind(json)
+                    .execute(self.control_pool())
+                    .await;
+                    if let Err(e) = kept {
+                        tracing::debug!(file = file.file_path(), error = %e, "could not keep a commit summary");
+                    }
+                    commits
                 }
-            },
-            Ok(None) => None,
-            Err(e) => {
-                tracing::debug!(file = file.file_path(), error = %e, "no commit summary kept; reading the file");
-                None
-            }
-        };
-        let commits = match summary {
-            Some(commits) => commits,
-            None => {
-                let commits = self.read_commits(base, file, event_id, arrival_id).await?;
-                let json = serde_json::to_string(&commits).unwrap_or_default();
-                let kept = sqlx::query(&self.control_sql(
-                    "INSERT INTO sw_file_commits (catalog_name, file_path, fields, commits) \
-                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-                ))
-                .bind(self.config().catalog_name.as_str())
-                .bind(file.file_path())
-                .bind(&fields)
-                .bind(json)
-                .execute(self.control_pool())
-                .await;
-                if let Err(e) = kept {
-                    tracing::debug!(file = file.file_path(), error = %e, "could not keep a commit summary");
-                }
+            };
+            out.extend(
                 commits
+                    .into_iter()
+                    .map(|[sequence, first, last, event]| ArrivedFile {
+                        path: file.file_path().to_string(),
+                        lineage: true,
+                        first_ingest: Some(first),
+                        last_ingest: last,
+                        sequence,
+                        last_event: event,
+                        null_free: false,
+                    }),
+            );
+        }
+        Ok(out)
+    }
+
+    /// The summaries `sw_file_commits` keeps of `paths` for `fields`, by path. One that
+    /// cannot be read (a database without the table) is missing: its file is read.
+    async fn kept_commits(&self, paths: &[&str], fields: &str) -> HashMap<String, String> {
+        let mut kept = HashMap::new();
+        for chunk in paths.chunks(KEPT_COMMITS_PER_QUERY) {
+            let places: Vec<String> = (3..chunk.len() + 3).map(|i| format!("${i}")).collect();
+            let sql = self.control_sql(&format!(
+                "SELECT file_path, commits FROM sw_file_commits WHERE catalog_name = $1 \
+                 AND fields = $2 AND file_path IN ({})",
+                places.join(", ")
+            ));
+            let mut q = sqlx::query_as::<_, (String, String)>(&sql)
+                .bind(self.config().catalog_name.as_str())
+                .bind(fields);
+            for p in chunk {
+                q = q.bind(*p);
             }
-        };
-        Ok(commits
-            .into_iter()
-            .map(|[sequence, first, last, event]| ArrivedFile {
-                path: file.file_path().to_string(),
-                lineage: true,
-                first_ingest: Some(first),
-                last_ingest: last,
-                sequence,
-                last_event: event,
-                null_free: false,
-            })
-            .collect())
+            match q.fetch_all(self.control_pool()).await {
+                Ok(rows) => kept.extend(rows),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no commit summaries kept; reading the files");
+                    return kept;
+                }
+            }
+        }
+        kept
     }
 
     /// Forgets what `sw_file_commits` keeps of the data files at `paths` (deleted). A
     /// failure leaves rows no live file will ask for, and is only logged.
     pub(crate) async fn forget_file_commits(&self, paths: &[String]) {
-        for chunk in paths.chunks(500) {
+        for chunk in paths.chunks(KEPT_COMMITS_PER_QUERY) {
             let places: Vec<String> = (2..chunk.len() + 2).map(|i| format!("${i}")).collect();
             let sql = self.control_sql(&format!(
                 "DELETE FROM sw_file_commits WHERE catalog_name = $1 AND file_path IN ({})",
