@@ -645,7 +645,7 @@ pub async fn run(lake: Lake, cmd: &BackfillCommand) -> Result<ExitCode> {
                 outln!(
                     "it ends at {}: {}",
                     format_rfc3339_micros(p.to_us),
-                    promoted.end.explain()
+                    promoted.reason()
                 )?;
             }
             Ok(ExitCode::SUCCESS)

@@ -182,6 +182,47 @@ fn narrow(expr: &Expr, column: &str, from: &mut i64, to: &mut i64) {
     }
 }
 
+/// Raises `lowest`, the least data sequence number a row can be in, by conjuncts of the
+/// form `sw_commit_sequence > n` or `>= n` (the column of
+/// [`LakeTableProvider::with_commit_sequence`]).
+fn lowest_sequence(expr: &Expr, lowest: &mut i64) {
+    match expr {
+        Expr::BinaryExpr(BinaryExpr {
+            left,
+            op: Operator::And,
+            right,
+        }) => {
+            lowest_sequence(left, lowest);
+            lowest_sequence(right, lowest);
+        }
+        Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
+            let (op, value) = match (unwrap_cast(left), unwrap_cast(right)) {
+                (Expr::Column(c), Expr::Literal(v, _)) if c.name == COMMIT_SEQUENCE_COLUMN => {
+                    (*op, v)
+                }
+                (Expr::Literal(v, _), Expr::Column(c)) if c.name == COMMIT_SEQUENCE_COLUMN => {
+                    match op.swap() {
+                        Some(op) => (op, v),
+                        None => return,
+                    }
+                }
+                _ => return,
+            };
+            let n = match value {
+                ScalarValue::Int64(Some(n)) => *n,
+                ScalarValue::Int32(Some(n)) => i64::from(*n),
+                _ => return,
+            };
+            match op {
+                Operator::Gt => *lowest = (*lowest).max(n.saturating_add(1)),
+                Operator::GtEq => *lowest = (*lowest).max(n),
+                _ => {}
+            }
+        }
+        _ => {}
+    }
+}
+
 /// The object-store URL and path of a data file location.
 fn split_location(location: &str) -> (ObjectStoreUrl, String) {
     if let Some(rest) = location.strip_prefix("s3://") {
@@ -276,9 +317,22 @@ impl TableProvider for LakeTableProvider {
         } else {
             None
         };
+        // Files of earlier commits than a filter on the commit sequence asks for hold no row
+        // it keeps (a compacted file's sequence is that of the compaction, after its rows').
+        let mut lowest = i64::MIN;
+        if sequences.is_some() {
+            for f in filters {
+                lowest_sequence(f, &mut lowest);
+            }
+        }
         let mut files: Vec<PartitionedFile> = plan
             .tasks
             .iter()
+            .filter(|t| {
+                sequences.as_ref().is_none_or(|seq| {
+                    seq.get(&t.data_file_path).copied().unwrap_or(i64::MAX) >= lowest
+                })
+            })
             .map(|t| {
                 let f =
                     PartitionedFile::new(split_location(&t.data_file_path).1, t.file_size_in_bytes);
@@ -290,6 +344,9 @@ impl TableProvider for LakeTableProvider {
                 }
             })
             .collect();
+        if files.is_empty() {
+            return empty();
+        }
         files.sort_by_key(|f| std::cmp::Reverse(f.object_meta.size));
         // Greedy size-balanced file groups, one per target partition.
         let mut groups: Vec<(u64, Vec<PartitionedFile>)> =
@@ -371,6 +428,25 @@ mod tests {
             (i64::MIN, i64::MAX),
             "a disjunction does not narrow"
         );
+    }
+
+    #[test]
+    fn a_lower_bound_on_the_commit_sequence_is_read_from_conjuncts_only() {
+        let seq = || col(COMMIT_SEQUENCE_COLUMN);
+        let lowest = |e: Expr| {
+            let mut lowest = i64::MIN;
+            lowest_sequence(&e, &mut lowest);
+            lowest
+        };
+        assert_eq!(lowest(seq().gt(lit(7_i64))), 8);
+        assert_eq!(lowest(seq().gt_eq(lit(7_i64)).and(seq().gt(lit(3_i64)))), 7);
+        assert_eq!(lowest(lit(7_i64).lt(seq())), 8);
+        assert_eq!(
+            lowest(seq().gt(lit(7_i64)).or(seq().lt(lit(2_i64)))),
+            i64::MIN
+        );
+        assert_eq!(lowest(col("other").gt(lit(7_i64))), i64::MIN);
+        assert_eq!(lowest(seq().lt(lit(7_i64))), i64::MIN);
     }
 
     #[test]

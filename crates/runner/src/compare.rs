@@ -10,8 +10,8 @@ use datafusion::prelude::SessionContext;
 use datafusion::sql::TableReference;
 use serde::Serialize;
 use signalweave_lake::{
-    COMMIT_ORDER, Lake, LakeTable, LakeTableProvider, NAMESPACE, Promotion, SQL_CATALOG,
-    SnapshotChoice,
+    COMMIT_SEQUENCE_COLUMN, LINEAGE_COLUMN, Lake, LakeTable, LakeTableProvider, NAMESPACE,
+    Promotion, SQL_CATALOG, SnapshotChoice,
 };
 use signalweave_model::{ErrorKind, format_rfc3339_micros};
 use signalweave_window::{JobSpec, WindowSpec, micros};
@@ -329,23 +329,24 @@ pub enum PromotionEnd {
 }
 
 impl PromotionEnd {
-    /// Why, in words.
-    pub fn explain(self) -> &'static str {
+    /// Why windows end by `at`, in words.
+    pub fn describe(self, at: i64) -> String {
+        let at = format_rfc3339_micros(at);
         match self {
-            Self::RangeEnd => "the backfill's range ends there",
-            Self::InputWatermark => {
-                "the input the backfill read has no watermark past it: later windows are not final"
-            }
-            Self::LiveCanCorrect => {
-                "the live job can still correct later windows (its watermark minus its allowed \
-                 lateness); promote them once they retire, after a rollback"
-            }
-            Self::Partial => "the backfill wrote the window starting there partial",
-            Self::Unread => {
-                "a record committed after the backfill's snapshot falls in the window starting \
-                 there, and the live job counts it (or has not read it yet); backfill again to \
-                 promote it"
-            }
+            Self::RangeEnd => format!("the backfill's range ends at {at}"),
+            Self::InputWatermark => format!(
+                "the input the backfill read has its watermark at {at}: later windows are not final"
+            ),
+            Self::LiveCanCorrect => format!(
+                "the live job can still correct windows ending after {at} (its watermark minus \
+                 its allowed lateness); promote them once they retire, after a rollback"
+            ),
+            Self::Partial => format!("the backfill wrote the window starting at {at} partial"),
+            Self::Unread => format!(
+                "a record committed after the backfill's snapshot changes the live windows from \
+                 {at} on (the live job counts it, or has not read it yet); backfill again to \
+                 promote them"
+            ),
         }
     }
 }
@@ -357,6 +358,29 @@ pub struct Promoted {
     pub promotion: Promotion,
     /// What ends it.
     pub end: PromotionEnd,
+    /// The point that ends it, µs: the promotion ends there, or earlier, at the start of
+    /// the first window (of either version) crossing it.
+    pub at_us: i64,
+}
+
+impl Promoted {
+    /// Why it ends where it does, in words.
+    pub fn reason(&self) -> String {
+        ends_because(self.end, self.at_us, self.promotion.to_us)
+    }
+}
+
+/// Why a promotion ends at `to_us`, when `end` at `at_us` ends it.
+fn ends_because(end: PromotionEnd, at_us: i64, to_us: i64) -> String {
+    let why = end.describe(at_us);
+    if to_us < at_us {
+        format!(
+            "{why}; a window crossing that point starts at {}",
+            format_rfc3339_micros(to_us)
+        )
+    } else {
+        why
+    }
 }
 
 /// Promotes a completed backfill: its namespace becomes authoritative for the windows
@@ -467,39 +491,48 @@ pub async fn promote(
         ));
     };
     // The live outputs must not change under a promoted window, or the change is never
-    // served: the promotion ends where the live job can still correct windows (its
-    // watermark, as of its last emission, minus its allowed lateness: a window ending
-    // later has not retired), and before the first window holding a record the backfill
-    // never read (committed after its snapshot) that the live job did not find late.
+    // served: the promotion ends where the live job can still correct windows, and before
+    // the first window holding a record the backfill never read (committed after its
+    // snapshot) that the live job counts. The live job's watermark, as of its last
+    // emission, is a lower bound of its watermark now (it never goes back): a window
+    // ending later than that minus the allowed lateness has not retired. A session can
+    // still begin a gap earlier (a late record opens one there), and a record extends the
+    // sessions ending up to a gap before it.
+    let gap = session_gap(live);
     let [live_watermark] = one_row(
         &ctx,
         &format!(
-            "SELECT max(arrow_cast(watermark, 'Int64')) FROM {}",
-            live_table.name()
+            "SELECT max(arrow_cast(watermark, 'Int64')) FROM {} WHERE job = '{}'",
+            live_table.name(),
+            sql_text(&live.name)
         ),
     )
     .await?;
-    let retired_by = live_watermark.map(|w| w.saturating_sub(micros(live.lateness.allowed)));
-    let unread = match record.snapshot_seq {
-        Some(seq) => {
-            let span = live.window.span_us().max(spec.window.span_us());
-            first_unread(lake, &ctx, live, seq, from_us.saturating_sub(span)).await?
-        }
-        None => {
-            tracing::warn!(namespace = %record.namespace, "the backfill did not record its snapshot's sequence number: records committed after it are not looked for");
-            None
-        }
+    let seq = match record.snapshot_seq {
+        Some(seq) => seq,
+        // Recorded by an earlier version: the sequence number of its snapshot, if the
+        // table still has it (after an erasure moved the backfill, a later one).
+        None => lake
+            .snapshots(LakeTable::Events)
+            .await?
+            .iter()
+            .find(|s| Some(s.snapshot_id) == record.snapshot_id)
+            .map(|s| s.sequence_number)
+            .ok_or_else(|| {
+                RunnerError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "the backfill in `{}` was recorded by an earlier version, which kept no \
+                         sequence number of its snapshot, and that snapshot has expired: the \
+                         records committed after it cannot be told apart; run the backfill \
+                         again to promote it",
+                        record.namespace
+                    ),
+                )
+            })?,
     };
-    let (end, mut cause) = [
-        (Some(record.to_us), PromotionEnd::RangeEnd),
-        (Some(watermark), PromotionEnd::InputWatermark),
-        (retired_by, PromotionEnd::LiveCanCorrect),
-        (unread, PromotionEnd::Unread),
-    ]
-    .into_iter()
-    .filter_map(|(t, why)| Some((t?, why)))
-    .min_by_key(|(t, _)| *t)
-    .unwrap_or((record.to_us, PromotionEnd::RangeEnd));
+    let unread = first_unread(lake, &ctx, live, seq, from_us.saturating_sub(gap)).await?;
+    let (end, mut cause) = last_end(record.to_us, watermark, live, live_watermark, unread);
     // A window (of either version) crossing `end` is not final, or not retired, on one
     // side: the promotion stops at its start. Sessions have no fixed shape: the outputs
     // tell where they are.
@@ -528,10 +561,11 @@ pub async fn promote(
             }
         }
     }
+    let mut at_us = end;
     if let Some(t) = first_partial
         && t < to_us
     {
-        (to_us, cause) = (t, PromotionEnd::Partial);
+        (to_us, cause, at_us) = (t, PromotionEnd::Partial, t);
     }
     if let Some(l) = edge {
         to_us = to_us.div_euclid(l).saturating_mul(l);
@@ -545,7 +579,7 @@ pub async fn promote(
                 record.namespace,
                 format_rfc3339_micros(to_us.max(from_us)),
                 format_rfc3339_micros(record.from_us),
-                cause.explain(),
+                ends_because(cause, at_us, to_us),
             ),
         ));
     }
@@ -569,12 +603,56 @@ pub async fn promote(
     Ok(Promoted {
         promotion,
         end: cause,
+        at_us,
     })
 }
 
+/// A session job's gap, µs (0 for other windows).
+fn session_gap(spec: &JobSpec) -> i64 {
+    match spec.window {
+        WindowSpec::Session { gap } => micros(gap),
+        _ => 0,
+    }
+}
+
+/// The point every promoted window must end by, and what sets it: the earliest of the
+/// range's end, the input's watermark, where the live job can no longer correct windows
+/// (`live_watermark` minus the allowed lateness, and a gap for sessions, since a late
+/// record can open one up to a gap before that), and where the first record the
+/// backfill never read (`first_unread`) changes the live outputs (its time, or a gap
+/// before it for sessions, whose sessions it extends).
+fn last_end(
+    range_end: i64,
+    input_watermark: i64,
+    live: &JobSpec,
+    live_watermark: Option<i64>,
+    first_unread: Option<i64>,
+) -> (i64, PromotionEnd) {
+    let gap = session_gap(live);
+    let retired_by = live_watermark.map(|w| {
+        w.saturating_sub(micros(live.lateness.allowed))
+            .saturating_sub(gap)
+    });
+    [
+        (Some(range_end), PromotionEnd::RangeEnd),
+        (Some(input_watermark), PromotionEnd::InputWatermark),
+        (retired_by, PromotionEnd::LiveCanCorrect),
+        (
+            first_unread.map(|t| t.saturating_sub(gap)),
+            PromotionEnd::Unread,
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(t, why)| Some((t?, why)))
+    .min_by_key(|(t, _)| *t)
+    .unwrap_or((range_end, PromotionEnd::RangeEnd))
+}
+
 /// The earliest event time, from `from_us` on, of the records `live` reads that were
-/// committed after sequence number `seq` and that its live job did not route late (one it
-/// has not read yet counts).
+/// committed after sequence number `seq` and that the live job counts or may count: not
+/// routed late by it (one it has not read yet counts), and not an exact copy (same
+/// tenant, event id and event time) of a record committed by `seq`, which it drops as a
+/// duplicate. A copy stamped with another event time counts.
 async fn first_unread(
     lake: &Lake,
     ctx: &SessionContext,
@@ -598,24 +676,55 @@ async fn first_unread(
             .source
             .event_types
             .iter()
-            .map(|t| format!("'{}'", t.replace('\'', "''")))
+            .map(|t| format!("'{}'", sql_text(t)))
             .collect();
         format!("AND e.event_type IN ({})", list.join(", "))
     };
-    let time = &live.time.event_time_column;
-    let sql = format!(
-        "SELECT min(arrow_cast(e.\"{time}\", 'Int64')) FROM {events} e \
-         WHERE {COMMIT_ORDER} > {seq} \
-         AND e.\"{time}\" >= TIMESTAMP '{from}' {types} \
+    let order = |t: &str| format!("coalesce({t}.{LINEAGE_COLUMN}, {t}.{COMMIT_SEQUENCE_COLUMN})");
+    let time = format!("\"{}\"", live.time.event_time_column.replace('"', "\"\""));
+    // The records committed after `seq` (a file's sequence is never below its rows', so
+    // the files of earlier commits are not read) that the live job did not route late.
+    // The landing table's own columns identify a late record, as the job records them.
+    let unread = format!(
+        "SELECT e.tenant, e.event_id, e.event_time, e.{time} AS t FROM {events} e \
+         WHERE e.{COMMIT_SEQUENCE_COLUMN} > {seq} AND {order_e} > {seq} \
+         AND e.{time} >= TIMESTAMP '{from}' {types} \
          AND NOT EXISTS (SELECT 1 FROM {SQL_CATALOG}.{NAMESPACE}.late_events l \
          WHERE l.job = '{job}' AND l.namespace = 'live' AND l.tenant = e.tenant \
-         AND l.event_id = e.event_id AND l.event_time = e.\"{time}\" \
+         AND l.event_id = e.event_id AND l.event_time = e.event_time \
          AND l.ingest_time = e.ingest_time)",
-        job = live.name.replace('\'', "''"),
+        order_e = order("e"),
+        job = sql_text(&live.name),
         from = format_rfc3339_micros(from_us),
     );
-    let [first] = one_row(ctx, &sql).await?;
+    let [Some(lo), Some(hi)] = one_row(
+        ctx,
+        &format!("SELECT min(arrow_cast(event_time, 'Int64')), max(arrow_cast(event_time, 'Int64')) FROM ({unread}) x"),
+    )
+    .await?
+    else {
+        return Ok(None);
+    };
+    // Their exact copies committed by `seq` lie in the same span of event time.
+    let [first] = one_row(
+        ctx,
+        &format!(
+            "SELECT min(arrow_cast(u.t, 'Int64')) FROM ({unread}) u WHERE NOT EXISTS ( \
+             SELECT 1 FROM {events} p WHERE p.event_time >= TIMESTAMP '{lo}' \
+             AND p.event_time <= TIMESTAMP '{hi}' AND {order_p} <= {seq} \
+             AND p.tenant = u.tenant AND p.event_id = u.event_id AND p.event_time = u.event_time)",
+            order_p = order("p"),
+            lo = format_rfc3339_micros(lo),
+            hi = format_rfc3339_micros(hi),
+        ),
+    )
+    .await?;
     Ok(first)
+}
+
+/// `text` as the inside of an SQL string literal.
+fn sql_text(text: &str) -> String {
+    text.replace('\'', "''")
 }
 
 /// The first `N` integer columns of a one-row answer to `sql` (null, missing or no row:
@@ -678,6 +787,50 @@ pub async fn backfill_record(lake: &Lake, job: &str, namespace: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_promotion_ends_where_the_live_outputs_can_still_change() {
+        let min = 60_000_000;
+        let sessions = JobSpec::from_toml(include_str!("../../../jobs/withdrawals.toml")).unwrap();
+        let tumbling =
+            JobSpec::from_toml(include_str!("../../../jobs/market_aggregates.toml")).unwrap();
+        // Withdrawals: 10 min of lateness, sessions of a 5-minute gap. A late record at
+        // the watermark less 15 min opens a session there; one just after is late.
+        assert_eq!(
+            last_end(600 * min, 590 * min, &sessions, Some(500 * min), None),
+            (485 * min, PromotionEnd::LiveCanCorrect)
+        );
+        // Market aggregates: 2 h of lateness, tumbling: the window ending 2 h before the
+        // watermark has retired.
+        assert_eq!(
+            last_end(600 * min, 590 * min, &tumbling, Some(500 * min), None),
+            (380 * min, PromotionEnd::LiveCanCorrect)
+        );
+        // A record the backfill never read: its window (a gap before it for sessions).
+        assert_eq!(
+            last_end(
+                600 * min,
+                590 * min,
+                &sessions,
+                Some(900 * min),
+                Some(300 * min)
+            ),
+            (295 * min, PromotionEnd::Unread)
+        );
+        assert_eq!(
+            last_end(600 * min, 590 * min, &tumbling, None, Some(300 * min)),
+            (300 * min, PromotionEnd::Unread)
+        );
+        // No live outputs: the input's watermark, or the range.
+        assert_eq!(
+            last_end(600 * min, 590 * min, &tumbling, None, None),
+            (590 * min, PromotionEnd::InputWatermark)
+        );
+        assert_eq!(
+            last_end(500 * min, 590 * min, &tumbling, None, None),
+            (500 * min, PromotionEnd::RangeEnd)
+        );
+    }
 
     #[test]
     fn edges_no_window_of_two_tumbling_shapes_crosses() {
