@@ -471,7 +471,7 @@ fn session_backfills_equal_the_live_sessions_that_cross_their_slices() {
     );
     assert!(
         said.contains("the backfill's range ends at 2026-01-01T03:00:00")
-            && said.contains("a window crossing that point starts at"),
+            && said.contains("end by that point"),
         "{said}"
     );
     let rows = sql(

@@ -218,6 +218,45 @@ async fn append_is_idempotent_under_retry() {
             "{}",
             b.name
         );
+        // Seven days on, the identities are forgotten, but for each writer's last: a live
+        // job down since the commit of its last epoch still finds it made.
+        let age = |lake: &Lake| {
+            let lake = lake.clone();
+            async move {
+                sqlx::query(&lake.control_sql(
+                    "UPDATE sw_commit_identities SET committed_ms = committed_ms - 8 * 86400000 \
+                     WHERE catalog_name = $1",
+                ))
+                .bind(lake.config().catalog_name.as_str())
+                .execute(lake.control_pool())
+                .await
+                .unwrap();
+            }
+        };
+        for c in 0..2 {
+            age(&lake).await;
+            lake.append(
+                LakeTable::Events,
+                &[batch(&evs[600 + c..601 + c])],
+                &CommitIdentity::new("writer-c", c as u64),
+            )
+            .await
+            .unwrap();
+            lake.maintain(LakeTable::Events, &policy).await.unwrap();
+        }
+        let table = lake.table(LakeTable::Events).await.unwrap();
+        for (writer, seq, kept) in [
+            ("writer-a", 7, false),
+            ("writer-a", 8, false),
+            ("writer-a", 9, true),
+            ("writer-c", 0, true),
+        ] {
+            let found = lake
+                .committed(LakeTable::Events, &table, &CommitIdentity::new(writer, seq))
+                .await
+                .unwrap();
+            assert_eq!(found.is_some(), kept, "{}: {writer} {seq}", b.name);
+        }
         // A batch of another table's shape is refused, classified, and nothing lands.
         let wrong = signalweave_lake::rejection_batch(
             0,

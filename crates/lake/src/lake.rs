@@ -45,7 +45,7 @@ pub const DEFAULT_APPEND_ATTEMPTS: u32 = 30;
 /// How long `sw_commit_identities` remembers the identity of a commit whose snapshot
 /// expired: a retry (a gateway's spooled group, a live job's replayed epoch) within it is
 /// recognised. Seven days. A load's chunk identities are kept as long as `sw_loads`
-/// records the load.
+/// records the load, and each writer's last commit (by sequence) for good.
 pub const COMMIT_IDENTITY_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
 /// How long an append waits before its next attempt.
@@ -751,7 +751,10 @@ impl Lake {
     /// Records the commit identities carried by `snapshots`, which an expiry is about to
     /// remove from `table`'s metadata, and forgets records older than
     /// [`COMMIT_IDENTITY_TTL_MS`], except a load's (recorded in `sw_loads`: a load can be
-    /// resumed whenever, and its chunks must still be recognised). Runs before the expiry commits: every identity ever
+    /// resumed whenever, and its chunks must still be recognised) and each writer's last
+    /// (a writer retries its last commit whenever it comes back: a live job that crashed
+    /// between its sink commit and its checkpoint pointer finds its epoch committed
+    /// however long it stayed down). Runs before the expiry commits: every identity ever
     /// committed is always in a retained snapshot or in `sw_commit_identities`.
     pub(crate) async fn record_commit_identities<'a>(
         &self,
@@ -773,7 +776,11 @@ impl Lake {
                 "DELETE FROM sw_commit_identities WHERE catalog_name = ? AND table_name = ? \
                  AND committed_ms < ? AND NOT EXISTS (SELECT 1 FROM sw_loads l \
                  WHERE l.catalog_name = sw_commit_identities.catalog_name \
-                 AND l.writer_id = sw_commit_identities.writer_id)",
+                 AND l.writer_id = sw_commit_identities.writer_id) \
+                 AND batch_seq < (SELECT max(m.batch_seq) FROM sw_commit_identities m \
+                 WHERE m.catalog_name = sw_commit_identities.catalog_name \
+                 AND m.table_name = sw_commit_identities.table_name \
+                 AND m.writer_id = sw_commit_identities.writer_id)",
             )
         } else {
             (
@@ -782,7 +789,11 @@ impl Lake {
                 "DELETE FROM sw_commit_identities WHERE catalog_name = $1 AND table_name = $2 \
                  AND committed_ms < $3 AND NOT EXISTS (SELECT 1 FROM sw_loads l \
                  WHERE l.catalog_name = sw_commit_identities.catalog_name \
-                 AND l.writer_id = sw_commit_identities.writer_id)",
+                 AND l.writer_id = sw_commit_identities.writer_id) \
+                 AND batch_seq < (SELECT max(m.batch_seq) FROM sw_commit_identities m \
+                 WHERE m.catalog_name = sw_commit_identities.catalog_name \
+                 AND m.table_name = sw_commit_identities.table_name \
+                 AND m.writer_id = sw_commit_identities.writer_id)",
             )
         };
         let mut tx = self

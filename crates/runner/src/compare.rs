@@ -375,7 +375,7 @@ fn ends_because(end: PromotionEnd, at_us: i64, to_us: i64) -> String {
     let why = end.describe(at_us);
     if to_us < at_us {
         format!(
-            "{why}; a window crossing that point starts at {}",
+            "{why}; the windows before {} end by that point",
             format_rfc3339_micros(to_us)
         )
     } else {
@@ -496,8 +496,7 @@ pub async fn promote(
     // snapshot) that the live job counts. The live job's watermark, as of its last
     // emission, is a lower bound of its watermark now (it never goes back): a window
     // ending later than that minus the allowed lateness has not retired. A session can
-    // still begin a gap earlier (a late record opens one there), and a record extends the
-    // sessions ending up to a gap before it.
+    // still begin a gap earlier (a late record opens one there).
     let gap = session_gap(live);
     let [live_watermark] = one_row(
         &ctx,
@@ -531,7 +530,18 @@ pub async fn promote(
                 )
             })?,
     };
-    let unread = first_unread(lake, &ctx, live, seq, from_us.saturating_sub(gap)).await?;
+    // Only a record before the range's end (or a gap after, for sessions) can end it.
+    let unread = first_unread(
+        lake,
+        &ctx,
+        live,
+        seq,
+        (
+            from_us.saturating_sub(gap),
+            record.to_us.saturating_add(gap),
+        ),
+    )
+    .await?;
     let (end, mut cause) = last_end(record.to_us, watermark, live, live_watermark, unread);
     // A window (of either version) crossing `end` is not final, or not retired, on one
     // side: the promotion stops at its start. Sessions have no fixed shape: the outputs
@@ -618,9 +628,9 @@ fn session_gap(spec: &JobSpec) -> i64 {
 /// The point every promoted window must end by, and what sets it: the earliest of the
 /// range's end, the input's watermark, where the live job can no longer correct windows
 /// (`live_watermark` minus the allowed lateness, and a gap for sessions, since a late
-/// record can open one up to a gap before that), and where the first record the
-/// backfill never read (`first_unread`) changes the live outputs (its time, or a gap
-/// before it for sessions, whose sessions it extends).
+/// record can open one up to a gap before that), and the time of the first record the
+/// backfill never read (`first_unread`): the live windows holding it change (for
+/// sessions, those ending after it, which it extends, and the one it may open).
 fn last_end(
     range_end: i64,
     input_watermark: i64,
@@ -637,10 +647,7 @@ fn last_end(
         (Some(range_end), PromotionEnd::RangeEnd),
         (Some(input_watermark), PromotionEnd::InputWatermark),
         (retired_by, PromotionEnd::LiveCanCorrect),
-        (
-            first_unread.map(|t| t.saturating_sub(gap)),
-            PromotionEnd::Unread,
-        ),
+        (first_unread, PromotionEnd::Unread),
     ]
     .into_iter()
     .filter_map(|(t, why)| Some((t?, why)))
@@ -648,17 +655,19 @@ fn last_end(
     .unwrap_or((range_end, PromotionEnd::RangeEnd))
 }
 
-/// The earliest event time, from `from_us` on, of the records `live` reads that were
-/// committed after sequence number `seq` and that the live job counts or may count: not
-/// routed late by it (one it has not read yet counts), and not an exact copy (same
-/// tenant, event id and event time) of a record committed by `seq`, which it drops as a
-/// duplicate. A copy stamped with another event time counts.
+/// The earliest event time in `[from_us, until_us)` of the records `live` reads that
+/// were committed after sequence number `seq` and that the live job counts or may count:
+/// not routed late by it (one it has not read yet counts), and not a copy of a record
+/// committed by `seq` that claimed its identity (of the job's types, its key and identity
+/// not null) with the same event time, which it drops as a duplicate. A copy stamped
+/// with another event time counts here, though the live job may drop it too: the
+/// promotion only ends earlier.
 async fn first_unread(
     lake: &Lake,
     ctx: &SessionContext,
     live: &JobSpec,
     seq: i64,
-    from_us: i64,
+    (from_us, until_us): (i64, i64),
 ) -> Result<Option<i64>> {
     let events = TableReference::full(SQL_CATALOG, NAMESPACE, "promote_events");
     ctx.register_table(
@@ -669,51 +678,82 @@ async fn first_unread(
         ),
     )
     .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?;
-    let types = if live.source.event_types.is_empty() {
-        String::new()
-    } else {
+    let ident = |c: &str| format!("\"{}\"", c.replace('"', "\"\""));
+    let types = |t: &str| {
+        if live.source.event_types.is_empty() {
+            return String::new();
+        }
         let list: Vec<String> = live
             .source
             .event_types
             .iter()
-            .map(|t| format!("'{}'", sql_text(t)))
+            .map(|e| format!("'{}'", sql_text(e)))
             .collect();
-        format!("AND e.event_type IN ({})", list.join(", "))
+        format!("AND {t}.event_type IN ({})", list.join(", "))
     };
     let order = |t: &str| format!("coalesce({t}.{LINEAGE_COLUMN}, {t}.{COMMIT_SEQUENCE_COLUMN})");
-    let time = format!("\"{}\"", live.time.event_time_column.replace('"', "\"\""));
+    let time = ident(&live.time.event_time_column);
+    let identity: Vec<String> = live.dedup.identity.iter().map(|c| ident(c)).collect();
     // The records committed after `seq` (a file's sequence is never below its rows', so
     // the files of earlier commits are not read) that the live job did not route late.
     // The landing table's own columns identify a late record, as the job records them.
     let unread = format!(
-        "SELECT e.tenant, e.event_id, e.event_time, e.{time} AS t FROM {events} e \
+        "SELECT e.tenant, e.event_id, e.event_time, e.ingest_time, {ids}, e.{time} AS t \
+         FROM {events} e \
          WHERE e.{COMMIT_SEQUENCE_COLUMN} > {seq} AND {order_e} > {seq} \
-         AND e.{time} >= TIMESTAMP '{from}' {types} \
+         AND e.{time} >= TIMESTAMP '{from}' AND e.{time} < TIMESTAMP '{until}' {types_e} \
          AND NOT EXISTS (SELECT 1 FROM {SQL_CATALOG}.{NAMESPACE}.late_events l \
          WHERE l.job = '{job}' AND l.namespace = 'live' AND l.tenant = e.tenant \
          AND l.event_id = e.event_id AND l.event_time = e.event_time \
          AND l.ingest_time = e.ingest_time)",
+        ids = identity
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("e.{c} AS id{i}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         order_e = order("e"),
+        types_e = types("e"),
         job = sql_text(&live.name),
         from = format_rfc3339_micros(from_us),
+        until = format_rfc3339_micros(until_us),
     );
     let [Some(lo), Some(hi)] = one_row(
         ctx,
-        &format!("SELECT min(arrow_cast(event_time, 'Int64')), max(arrow_cast(event_time, 'Int64')) FROM ({unread}) x"),
+        &format!(
+            "SELECT min(arrow_cast(t, 'Int64')), max(arrow_cast(t, 'Int64')) FROM ({unread}) x"
+        ),
     )
     .await?
     else {
         return Ok(None);
     };
-    // Their exact copies committed by `seq` lie in the same span of event time.
+    // The copies that claimed the identity before (committed by `seq`, of the job's types,
+    // key and identity not null) lie in the same span of event time.
+    let same_identity: Vec<String> = identity
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("p.{c} = u.id{i}"))
+        .collect();
+    let not_null: Vec<String> = live
+        .key
+        .columns
+        .iter()
+        .map(|c| ident(c))
+        .chain(identity.iter().cloned())
+        .map(|c| format!("p.{c} IS NOT NULL"))
+        .collect();
     let [first] = one_row(
         ctx,
         &format!(
             "SELECT min(arrow_cast(u.t, 'Int64')) FROM ({unread}) u WHERE NOT EXISTS ( \
-             SELECT 1 FROM {events} p WHERE p.event_time >= TIMESTAMP '{lo}' \
-             AND p.event_time <= TIMESTAMP '{hi}' AND {order_p} <= {seq} \
-             AND p.tenant = u.tenant AND p.event_id = u.event_id AND p.event_time = u.event_time)",
+             SELECT 1 FROM {events} p WHERE p.{time} >= TIMESTAMP '{lo}' \
+             AND p.{time} <= TIMESTAMP '{hi}' AND {order_p} <= {seq} {types_p} \
+             AND {not_null} AND {same_identity} AND p.{time} = u.t)",
             order_p = order("p"),
+            types_p = types("p"),
+            not_null = not_null.join(" AND "),
+            same_identity = same_identity.join(" AND "),
             lo = format_rfc3339_micros(lo),
             hi = format_rfc3339_micros(hi),
         ),
@@ -806,7 +846,8 @@ mod tests {
             last_end(600 * min, 590 * min, &tumbling, Some(500 * min), None),
             (380 * min, PromotionEnd::LiveCanCorrect)
         );
-        // A record the backfill never read: its window (a gap before it for sessions).
+        // A record the backfill never read: the windows holding it (the crossing ones are
+        // found apart).
         assert_eq!(
             last_end(
                 600 * min,
@@ -815,7 +856,7 @@ mod tests {
                 Some(900 * min),
                 Some(300 * min)
             ),
-            (295 * min, PromotionEnd::Unread)
+            (300 * min, PromotionEnd::Unread)
         );
         assert_eq!(
             last_end(600 * min, 590 * min, &tumbling, None, Some(300 * min)),
