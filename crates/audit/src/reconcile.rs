@@ -439,6 +439,33 @@ struct Rules {
 
 impl Rules {
     fn of(spec: &JobSpec) -> Result<Self> {
+        // What the oracle does not model, it refuses, rather than report findings against
+        // a correct job (or none against a wrong one).
+        let unmodelled = [
+            (
+                spec.dedup.identity != ["tenant", "event_id"],
+                "a dedup identity other than (tenant, event_id)",
+            ),
+            (
+                spec.time.event_time_column != "event_time",
+                "an event time column other than `event_time`",
+            ),
+            (
+                spec.time.input_column.is_some(),
+                "per-input watermarks (`time.input_column`): the job's watermark is the least \
+                 over the active inputs, with an idleness timeout in processing time, which the \
+                 lake does not record",
+            ),
+        ];
+        if let Some((_, what)) = unmodelled.iter().find(|(unmodelled, _)| *unmodelled) {
+            return Err(AuditError::new(
+                ErrorKind::Config,
+                format!(
+                    "{} cannot be reconciled: the oracle does not model {what}",
+                    spec.name
+                ),
+            ));
+        }
         let (size, slide, gap) = match spec.window {
             WindowSpec::Tumbling { size } => (micros(size), micros(size), None),
             WindowSpec::Sliding { size, slide } => (micros(size), micros(slide), None),
@@ -1647,6 +1674,30 @@ async fn timeline(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_the_oracle_does_not_model_is_refused() {
+        let shipped = include_str!("../../../jobs/market_aggregates.toml");
+        assert!(Rules::of(&JobSpec::from_toml(shipped).unwrap()).is_ok());
+        for (from, to, what) in [
+            (
+                "identity = [\"tenant\", \"event_id\"]",
+                "identity = [\"tenant\", \"event_id\", \"event_type\"]",
+                "dedup identity",
+            ),
+            (
+                "idle_timeout = \"1m\"",
+                "idle_timeout = \"1m\"\ninput_column = \"producer_id\"",
+                "per-input watermarks",
+            ),
+        ] {
+            assert!(shipped.contains(from), "{from}");
+            let spec = JobSpec::from_toml(&shipped.replace(from, to)).unwrap();
+            let e = Rules::of(&spec).err().expect("refused");
+            assert_eq!(e.kind(), ErrorKind::Config);
+            assert!(e.to_string().contains(what), "{e}");
+        }
+    }
 
     #[test]
     fn a_copy_is_a_duplicate_while_the_copy_that_counted_is_within_the_horizon() {

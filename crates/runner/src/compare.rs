@@ -555,9 +555,9 @@ pub async fn promote(
     .flatten()
     .min()
     .unwrap_or(end);
-    if matches!(live.window, WindowSpec::Session { .. })
-        || matches!(spec.window, WindowSpec::Session { .. })
-    {
+    let sessions = matches!(live.window, WindowSpec::Session { .. })
+        || matches!(spec.window, WindowSpec::Session { .. });
+    if sessions {
         let crossing = |table: &str| {
             format!(
                 "SELECT min(arrow_cast(window_start, 'Int64')) FROM {table} \
@@ -579,6 +579,31 @@ pub async fn promote(
     }
     if let Some(l) = edge {
         to_us = to_us.div_euclid(l).saturating_mul(l);
+    }
+    // Sessions have no fixed edges, and the two versions' sessions of a key may differ
+    // (that is what a backfill fixes): a session of one crossing an edge would count its
+    // events twice, or not at all, next to the other's. So a session promotion begins and
+    // ends at points inside no session of either version.
+    let mut from_us = from_us;
+    if sessions && to_us > from_us {
+        match free_edges(&ctx, [ns_table.name(), live_table.name()], from_us, to_us).await? {
+            Some((a, b)) if a < b => (from_us, to_us) = (a, b),
+            _ => {
+                return Err(RunnerError::new(
+                    ErrorKind::Conflict,
+                    format!(
+                        "no session of the backfill in `{}` can be promoted: between {} and {} \
+                         ({}) no two points lie outside every session of both versions, and a \
+                         session promotion begins and ends at such points (a session crossing \
+                         an edge would count its events twice, or not at all)",
+                        record.namespace,
+                        format_rfc3339_micros(from_us),
+                        format_rfc3339_micros(to_us),
+                        ends_because(cause, at_us, to_us),
+                    ),
+                ));
+            }
+        }
     }
     if to_us <= from_us {
         return Err(RunnerError::new(
@@ -615,6 +640,77 @@ pub async fn promote(
         end: cause,
         at_us,
     })
+}
+
+/// The first and the last point of `[from_us, to_us]` that no window of `tables` crosses
+/// (a window `[start, end)` crosses `t` when `start < t < end`); None when none is free.
+async fn free_edges(
+    ctx: &SessionContext,
+    tables: [&str; 2],
+    from_us: i64,
+    to_us: i64,
+) -> Result<Option<(i64, i64)>> {
+    let mut windows: Vec<(i64, i64)> = Vec::new();
+    for table in tables {
+        let batches = ctx
+            .sql(&format!(
+                "SELECT arrow_cast(window_start, 'Int64'), arrow_cast(window_end, 'Int64') \
+                 FROM {table} WHERE arrow_cast(window_end, 'Int64') > {from_us} \
+                 AND arrow_cast(window_start, 'Int64') < {to_us}"
+            ))
+            .await
+            .map_err(|e| RunnerError::new(ErrorKind::Internal, format!("promote: {e}")))?
+            .collect()
+            .await
+            .map_err(|e| RunnerError::new(ErrorKind::Unavailable, format!("promote: {e}")))?;
+        for b in &batches {
+            let column = |i: usize| {
+                b.column(i)
+                    .as_primitive_opt::<arrow::datatypes::Int64Type>()
+                    .ok_or_else(|| {
+                        RunnerError::new(ErrorKind::Internal, "promote: window bounds not Int64")
+                    })
+            };
+            let (starts, ends) = (column(0)?, column(1)?);
+            windows.extend(starts.iter().zip(ends.iter()).filter_map(|(s, e)| s.zip(e)));
+        }
+    }
+    Ok(free_points(windows, from_us, to_us))
+}
+
+/// [`free_edges`] over `windows` (start, end): besides the bounds themselves, the free
+/// points are where a run of overlapping windows begins or ends.
+fn free_points(mut windows: Vec<(i64, i64)>, from_us: i64, to_us: i64) -> Option<(i64, i64)> {
+    windows.sort_unstable();
+    let crosses = |t: i64| windows.iter().any(|&(s, e)| s < t && t < e);
+    let mut free = Vec::new();
+    let mut reach = i64::MIN;
+    for &(s, e) in &windows {
+        if reach <= s {
+            if reach > i64::MIN {
+                free.push(reach);
+            }
+            free.push(s);
+        }
+        reach = reach.max(e);
+    }
+    if reach > i64::MIN {
+        free.push(reach);
+    }
+    let first = if crosses(from_us) {
+        free.iter().copied().find(|&t| t >= from_us && t <= to_us)
+    } else {
+        Some(from_us)
+    };
+    let last = if crosses(to_us) {
+        free.iter()
+            .rev()
+            .copied()
+            .find(|&t| t <= to_us && t >= from_us)
+    } else {
+        Some(to_us)
+    };
+    first.zip(last)
 }
 
 /// A session job's gap, µs (0 for other windows).
@@ -871,6 +967,19 @@ mod tests {
             last_end(500 * min, 590 * min, &tumbling, None, None),
             (500 * min, PromotionEnd::RangeEnd)
         );
+    }
+
+    #[test]
+    fn a_session_promotion_begins_and_ends_where_no_session_crosses() {
+        // Two versions' sessions of a key, (10, 30) and (25, 50), and another's (60, 70).
+        let windows = vec![(10, 30), (25, 50), (60, 70), (60, 65)];
+        assert_eq!(free_points(windows.clone(), 0, 100), Some((0, 100)));
+        assert_eq!(free_points(windows.clone(), 20, 62), Some((50, 60)));
+        assert_eq!(free_points(windows.clone(), 20, 68), Some((50, 60)));
+        assert_eq!(free_points(windows.clone(), 12, 55), Some((50, 55)));
+        assert_eq!(free_points(windows.clone(), 12, 28), None);
+        assert_eq!(free_points(windows.clone(), 30, 40), None);
+        assert_eq!(free_points(windows, 50, 60), Some((50, 60)));
     }
 
     #[test]

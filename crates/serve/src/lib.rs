@@ -73,11 +73,14 @@ struct Stored {
     window: CurrentWindow,
 }
 
+/// A window's identity in a view: (key, window_start µs, window_end µs).
+type WindowId = (String, i64, i64);
+
 #[derive(Debug, Default)]
 struct View {
     position: Option<i64>,
-    /// (key, window_start µs, window_end µs) → current version.
-    rows: BTreeMap<(String, i64, i64), Stored>,
+    /// Each window's current version.
+    rows: BTreeMap<WindowId, Stored>,
 }
 
 #[derive(Debug)]
@@ -132,12 +135,16 @@ impl ApiError {
 impl From<signalweave_lake::LakeError> for ApiError {
     fn from(e: signalweave_lake::LakeError) -> Self {
         let (status, code) = match e.kind() {
-            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            // Not the request's: a table the job's outputs or a promotion name is gone.
+            ErrorKind::NotFound => (StatusCode::INTERNAL_SERVER_ERROR, "missing_table"),
             ErrorKind::Unavailable | ErrorKind::Conflict => {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
             }
+            // The request was checked before the lake was asked: what the lake refuses is
+            // the server's fault (a misconfigured store, a promoted table gone), not the
+            // client's.
             ErrorKind::InvalidInput | ErrorKind::Config => {
-                (StatusCode::BAD_REQUEST, "invalid_request")
+                (StatusCode::INTERNAL_SERVER_ERROR, "misconfigured")
             }
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
@@ -332,18 +339,19 @@ impl Serving {
                 && start < to
                 && signalweave_lake::authoritative(&promotions, start) == source
         };
-        let mut windows: Vec<(&(String, i64, i64), &Stored)> = view
-            .rows
-            .iter()
-            .filter(|((key, start, _), stored)| wanted(key, *start, stored, "live"))
-            .collect();
+        let mut windows = select(&view.rows, q.key.as_deref(), (from, to), |k, t, s| {
+            wanted(k, t, s, "live")
+        });
+        // A namespace's windows are read once, whatever promotions name its table (a
+        // database from before the unique index may hold two active ones).
+        let mut read = std::collections::HashSet::new();
         for p in &promotions {
-            if let Some(v) = promoted.get(&p.table) {
-                windows.extend(
-                    v.rows.iter().filter(|((key, start, _), stored)| {
-                        wanted(key, *start, stored, &p.namespace)
-                    }),
-                );
+            if read.insert(p.table.as_str())
+                && let Some(v) = promoted.get(&p.table)
+            {
+                windows.extend(select(&v.rows, q.key.as_deref(), (from, to), |k, t, s| {
+                    wanted(k, t, s, &p.namespace)
+                }));
             }
         }
         if !promotions.is_empty() {
@@ -415,6 +423,28 @@ impl Serving {
         view.position = plan.upto;
         Ok(())
     }
+}
+
+/// The rows of a view that `keep` keeps, of `key` (all keys: None) with starts in
+/// `[from, to)`, in (key, start) order: a key reads only its own range, and no more than an
+/// answer can hold (and one more, to tell it was cut) is taken from any source. (Without a
+/// key, every key's rows are looked at.)
+fn select<'a>(
+    rows: &'a BTreeMap<WindowId, Stored>,
+    key: Option<&str>,
+    (from, to): (i64, i64),
+    keep: impl Fn(&str, i64, &Stored) -> bool,
+) -> Vec<(&'a WindowId, &'a Stored)> {
+    let matching: Box<dyn Iterator<Item = (&'a WindowId, &'a Stored)>> = match key {
+        Some(k) => {
+            Box::new(rows.range((k.to_string(), from, i64::MIN)..(k.to_string(), to, i64::MIN)))
+        }
+        None => Box::new(rows.iter()),
+    };
+    matching
+        .filter(|((key, start, _), stored)| keep(key, *start, stored))
+        .take(MAX_WINDOWS + 1)
+        .collect()
 }
 
 fn apply(
