@@ -388,7 +388,6 @@ pub fn plan(sheet: &Sheet, measured: Option<&Measured>) -> Plan {
         .iter()
         .map(|st| (st.stage.clone(), st.budget.as_secs_f64()))
         .collect();
-    let ledger_total_s: f64 = ledger.iter().map(|(_, v)| v).sum();
     if let Some(m) = measured {
         for (stage, v) in ledger.iter_mut() {
             match stage.as_str() {
@@ -398,6 +397,9 @@ pub fn plan(sheet: &Sheet, measured: Option<&Measured>) -> Plan {
             }
         }
     }
+    // The measured stages count in the total, and so in the freshness figure when no
+    // p99 was measured.
+    let ledger_total_s: f64 = ledger.iter().map(|(_, v)| v).sum();
 
     let burst_backlog = (b - c).max(0.0) * burst_s;
     let burst_drain = if c > s {
@@ -728,6 +730,18 @@ mod tests {
             Some("sustained load below capacity")
         );
         assert!(p.burst_drain_s.is_infinite());
+        // Measured stage times replace the sheet's in the ledger and in its total.
+        let queued = Measured {
+            queue_age_s: Some(1_000.0),
+            ..Default::default()
+        };
+        let p = plan(&s, Some(&queued));
+        let queue = assumed.ledger.iter().find(|(s, _)| s == "queue").unwrap().1;
+        assert!((p.ledger_total_s - (assumed.ledger_total_s - queue + 1_000.0)).abs() < 1e-9);
+        assert!(
+            !p.objectives[0].holds,
+            "the total is the freshness figure: {p:?}"
+        );
     }
 
     #[test]
