@@ -329,6 +329,35 @@ fn the_serving_api_answers_committed_current_versions_and_status() {
     }
 }
 
+/// A serving address in use fails `run` before any job starts: nothing is read or
+/// committed, and no lease is left held for the next run to wait out.
+#[test]
+fn a_serving_address_in_use_fails_the_run_before_its_jobs_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    load_fixture(&lake);
+    let job = strict_job(dir.path());
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = sw(&lake)
+        .args(["run", "--job", job.to_str().unwrap(), "--until-caught-up"])
+        .args(["--serve", &addr])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("binding the serving API"), "{stderr}");
+    assert_eq!(
+        count(&lake, "select count(*) from signalweave.late_events"),
+        0,
+        "nothing was processed"
+    );
+    // The next run starts at once: no lease was taken.
+    let started = std::time::Instant::now();
+    ok(run_caught_up(&lake, &job, None));
+    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
+}
+
 fn status_json(base: &str) -> Option<Value> {
     get(&format!("{base}/v1/status")).map(|s| serde_json::from_str::<Value>(&s).unwrap()[0].clone())
 }

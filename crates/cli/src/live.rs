@@ -322,14 +322,27 @@ struct BackgroundServing {
 }
 
 impl BackgroundServing {
-    async fn start(lake: &Lake, jobs: &Jobs, addr: SocketAddr) -> Result<Self> {
+    /// Binds `addr` for the serving API. Done before the jobs start: an address in use
+    /// then fails the command before any job has taken its lease.
+    async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
+        Serving::bind(addr)
+            .await
+            .with_context(|| format!("binding the serving API to {addr}"))
+    }
+
+    /// Serves `jobs` on `bound` (see [`BackgroundServing::bind`]).
+    async fn start(
+        lake: &Lake,
+        jobs: &Jobs,
+        bound: (tokio::net::TcpListener, SocketAddr),
+    ) -> Result<Self> {
         let serving = Serving::new(
             lake.clone(),
             jobs.served.clone(),
             Some(Arc::clone(&jobs.metrics)),
             jobs.statuses.clone(),
         )?;
-        let (listener, addr) = Serving::bind(addr).await?;
+        let (listener, addr) = bound;
         let (stop, stopped) = stop_signal();
         let task = tokio::spawn(async move { serving.serve(listener, stopped).await });
         Ok(Self { addr, stop, task })
@@ -343,10 +356,14 @@ impl BackgroundServing {
 
 /// `signalweave run`.
 pub async fn run(lake: Lake, args: &RunArgs) -> Result<ExitCode> {
+    let bound = match args.serve {
+        Some(addr) => Some(BackgroundServing::bind(addr).await?),
+        None => None,
+    };
     let jobs = Jobs::start(&lake, &args.jobs, args.until_caught_up).await?;
-    let serving = match args.serve {
-        Some(addr) => {
-            let serving = BackgroundServing::start(&lake, &jobs, addr).await?;
+    let serving = match bound {
+        Some(bound) => {
+            let serving = BackgroundServing::start(&lake, &jobs, bound).await?;
             eprintln!("serving on http://{}", serving.addr);
             Some(serving)
         }
@@ -397,9 +414,10 @@ pub async fn up(lake: Lake, registry: SchemaRegistry, args: &UpArgs) -> Result<E
     if let Some(listen) = args.gateway_listen {
         gw_config.listen = listen;
     }
+    let bound = BackgroundServing::bind(args.serve_listen).await?;
     let gateway = BackgroundGateway::start(&lake, registry, gw_config).await?;
     let jobs = Jobs::start(&lake, &args.jobs, false).await?;
-    let serving = BackgroundServing::start(&lake, &jobs, args.serve_listen).await?;
+    let serving = BackgroundServing::start(&lake, &jobs, bound).await?;
     let (stop_maintenance, maintenance_stopped) = stop_signal();
     let maintenance = (!args.maintain_every.is_zero()).then(|| {
         let tables: Vec<LakeTable> = jobs
@@ -815,8 +833,9 @@ pub async fn demo(lake: Lake, registry: SchemaRegistry, args: &DemoArgs) -> Resu
     let token = "sw-dev-tenant-0";
     let gateway = BackgroundGateway::start(&lake, registry, gw_config).await?;
     let gw_addr = gateway.addr;
+    let bound = BackgroundServing::bind("127.0.0.1:0".parse()?).await?;
     let jobs = Jobs::start(&lake, &args.jobs, false).await?;
-    let serving = BackgroundServing::start(&lake, &jobs, "127.0.0.1:0".parse()?).await?;
+    let serving = BackgroundServing::start(&lake, &jobs, bound).await?;
     eprintln!(
         "gateway http://{gw_addr} · serving http://{0} (try http://{0}/v1/jobs/{1}/aggregates?key=m-1) · lake {2}",
         serving.addr,
