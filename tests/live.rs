@@ -355,7 +355,11 @@ fn a_serving_address_in_use_fails_the_run_before_its_jobs_start() {
     // The next run starts at once: no lease was taken.
     let started = std::time::Instant::now();
     ok(run_caught_up(&lake, &job, None));
-    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 fn status_json(base: &str) -> Option<Value> {

@@ -735,6 +735,127 @@ fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
 
 /// `reconcile` of market_aggregates over `[from, to)`, its report written to `out`: the
 /// process's output and the JSON report.
+/// Commits out of the order of their stamps (a gateway's group stamped before another's
+/// and committed after it, a second gateway, a resumed load): the live job reads them in
+/// commit order, and so do the oracle and a backfill. A record the commit before it made
+/// late is late for all three.
+#[test]
+fn records_are_judged_in_commit_order_not_by_their_stamps() {
+    use signalweave_model::{
+        Event, EventBatchBuilder, EventId, ProducerId, SchemaVersion, TenantId,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let lake = dir.path().join("lake");
+    let minute = 60_000_000_i64;
+    let t0 = 1_767_225_600_000_000_i64; // 2026-01-01T00:00:00Z
+    let event = |id: &str, market: &str, t: i64, ingest: i64| Event {
+        event_id: EventId::new(id.to_string()),
+        event_type: "order_placed".into(),
+        schema_version: SchemaVersion::new(1, 0, 0),
+        tenant: TenantId::new("tenant-0"),
+        producer_id: ProducerId::new("p"),
+        producer_seq: 0,
+        event_time_us: t,
+        ingest_time_us: ingest,
+        partition_key: market.to_string(),
+        order_id: Some(format!("o-{id}")),
+        customer_id: Some("c-1".into()),
+        market_id: Some(market.to_string()),
+        business_version: 1,
+        amount_minor: Some(100),
+        currency: Some("EUR".into()),
+        attributes: None,
+    };
+    let commits = [
+        // Commit 1, stamped at 05:00: events until 03:00.
+        (0..60)
+            .map(|i| {
+                event(
+                    &format!("a{i}"),
+                    "m-1",
+                    t0 + i * 3 * minute,
+                    t0 + 300 * minute,
+                )
+            })
+            .collect::<Vec<_>>(),
+        // Commit 2, stamped earlier (04:00) but committed after: a record at 00:30, whose
+        // window retired (00:31 + 2 h) by commit 1's watermark, and one at 02:30.
+        vec![
+            event("b0", "m-2", t0 + 30 * minute, t0 + 240 * minute),
+            event("b1", "m-2", t0 + 150 * minute, t0 + 240 * minute),
+        ],
+    ];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let lake = Lake::open(LakeConfig::embedded(&lake)).await.unwrap();
+        lake.init().await.unwrap();
+        for (i, events) in commits.iter().enumerate() {
+            let mut b = EventBatchBuilder::with_capacity(events.len());
+            for e in events {
+                b.push(e);
+            }
+            lake.append(
+                signalweave_lake::LakeTable::Events,
+                &[b.finish().unwrap()],
+                &CommitIdentity::new("out-of-order", i as u64),
+            )
+            .await
+            .unwrap();
+        }
+    });
+    ok(sw(&lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/market_aggregates.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap());
+    let late = |namespace: &str| {
+        sql(
+            &lake,
+            &format!(
+                "select event_id from signalweave.late_events where namespace = '{namespace}' \
+                 order by event_id"
+            ),
+        )
+    };
+    assert_eq!(late("live").len(), 1, "{:?}", late("live"));
+    assert_eq!(late("live")[0]["event_id"], "b0");
+    let (o, r) = reconcile_range(
+        &lake,
+        "2026-01-01T00:00:00Z",
+        "2026-01-01T03:00:00Z",
+        &dir.path().join("report"),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", r["findings"]);
+    assert_eq!(r["matches"], true, "{}", r["findings"]);
+    assert!(u(&r, "/windows/matched") > 0, "{}", r["windows"]);
+    // A backfill judges it late too, and equals the live outputs.
+    ok(sw(&lake)
+        .args(["backfill", "start", "--job", "market_aggregates"])
+        .args([
+            "--from",
+            "2026-01-01T00:00:00Z",
+            "--to",
+            "2026-01-01T03:00:00Z",
+        ])
+        .args(["--namespace", "again", "--quiet"])
+        .output()
+        .unwrap());
+    assert_eq!(late("again"), late("live"));
+    let compared = ok(sw(&lake)
+        .args(["backfill", "compare", "--job", "market_aggregates"])
+        .args(["--namespace", "again", "--format", "json"])
+        .output()
+        .unwrap());
+    let c: Value = serde_json::from_str(&compared).unwrap();
+    for k in ["changed", "missing", "extra"] {
+        assert_eq!(c[k], 0, "{k}: {c}");
+    }
+}
+
 fn reconcile_range(lake: &Path, from: &str, to: &str, out: &Path) -> (std::process::Output, Value) {
     let o = sw(lake)
         .args(["reconcile", "--job", "market_aggregates"])

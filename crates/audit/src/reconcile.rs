@@ -8,8 +8,8 @@
 //! applies the job's rules as the documentation states them:
 //! - **Arrival watermark.** A record is judged by the watermark a reader tailing the table
 //!   had when the record arrived: the largest event time of the job's records committed
-//!   before it (commits ordered by (largest ingest time, sequence number), the record by
-//!   (its ingest time, its sequence number)), minus the out-of-orderness bound.
+//!   before its own (in commit order, the sequence number, as the job reads them; ingest
+//!   times order nothing), minus the out-of-orderness bound.
 //! - **Lateness.** A record older than the dedup horizon at arrival is late; otherwise a
 //!   record whose every window has ended more than the allowed lateness before the
 //!   watermark is late. A record with a null key is late (`null_key`).
@@ -640,7 +640,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         "oracle commits",
         &format!(
             "CREATE TABLE audit_commits AS SELECT {seq} AS seq, \
-             max(CAST(ingest_time AS BIGINT)) AS arrival, max(CAST(event_time AS BIGINT)) AS max_t \
+             max(CAST(event_time AS BIGINT)) AS max_t \
              FROM audit_events WHERE {in_scope} GROUP BY {seq}"
         ),
     )
@@ -652,7 +652,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         "oracle records",
         &format!(
             "CREATE TABLE audit_records AS SELECT \
-             row_number() OVER (ORDER BY CAST(ingest_time AS BIGINT), {seq}, tenant, event_id) AS rid, \
+             row_number() OVER (ORDER BY {seq}, CAST(ingest_time AS BIGINT), tenant, event_id) AS rid, \
              CAST(tenant AS VARCHAR) AS tenant, CAST(event_id AS VARCHAR) AS event_id, \
              CAST(event_type AS VARCHAR) AS event_type, CAST(event_time AS BIGINT) AS t, \
              CAST(ingest_time AS BIGINT) AS ingest, {seq} AS seq, {key} AS key, {in_scope} AS in_scope, \
@@ -676,10 +676,10 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
         "oracle watermarks",
         &format!(
             "CREATE TABLE audit_wm AS SELECT rid, m - {bound} AS wm FROM ( \
-               SELECT rid, kind, max(v) OVER (ORDER BY t, seq, kind ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS m FROM ( \
-                 SELECT CAST(NULL AS BIGINT) AS rid, arrival AS t, seq, 1 AS kind, max_t AS v FROM audit_commits \
+               SELECT rid, kind, max(v) OVER (ORDER BY seq, kind ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS m FROM ( \
+                 SELECT CAST(NULL AS BIGINT) AS rid, seq, 1 AS kind, max_t AS v FROM audit_commits \
                  UNION ALL \
-                 SELECT rid, ingest AS t, seq, 0 AS kind, CAST(NULL AS BIGINT) AS v FROM audit_records WHERE in_scope \
+                 SELECT rid, seq, 0 AS kind, CAST(NULL AS BIGINT) AS v FROM audit_records WHERE in_scope \
                ) u \
              ) w WHERE kind = 0",
             bound = rules.bound,
@@ -786,7 +786,7 @@ pub async fn reconcile(lake: &Lake, request: &ReconcileRequest) -> Result<Report
                 &ctx,
                 "session arrivals",
                 "SELECT rid, key, t, wm FROM audit_pre WHERE class0 = 'first' AND NOT extra \
-                 ORDER BY ingest, seq, rid",
+                 ORDER BY rid",
             )
             .await?;
             let mut rows = Vec::new();
@@ -1557,7 +1557,7 @@ async fn freshness(
 ) -> Result<Vec<StageFigures>> {
     let sql = format!(
         "WITH r AS (SELECT m.rid, m.key, m.ws, c.t, c.ingest, \
-                    row_number() OVER (PARTITION BY m.key, m.ws ORDER BY c.ingest, c.seq, c.rid) AS n \
+                    row_number() OVER (PARTITION BY m.key, m.ws ORDER BY c.rid) AS n \
                     FROM audit_membership m JOIN audit_classified c ON c.rid = m.rid \
                     WHERE c.t >= {from} AND c.t < {to}), \
               v AS (SELECT CAST(key AS VARCHAR) AS key, CAST(window_start AS BIGINT) AS ws, events, \

@@ -1,14 +1,15 @@
 //! The watermark a tailing reader had when a record arrived, recovered from metadata.
 //!
-//! A live job reads the landing table commit by commit; its watermark before a commit is
-//! the largest event time of the commits before it, minus the out-of-orderness bound. A
+//! A live job reads the landing table commit by commit, in commit order (sequence
+//! number); its watermark before a commit is the largest event time of the commits before
+//! it, minus the out-of-orderness bound, and every record of the commit is judged by it. A
 //! backfill that wants to classify late records as the live job did needs that watermark
-//! for each record's arrival. Arrival is ordered by (ingest time, sequence number of the
-//! data file): ingest time first, and the commit order among files stamped with the same
-//! ingest time (a bulk load stamps all its chunks with one clock). The data files' column
-//! statistics give the watermark without reading any data: each file contributes its
-//! largest event time to every arrival after (its largest ingest time, its sequence
-//! number).
+//! for each record's arrival: the commits before its own. Ingest times order nothing: two
+//! gateways, a request stamped before its group closed and committed with the next, or a
+//! resumed load (stamped with its first run's clock) commit out of the order of their
+//! stamps, and the live job reads them in commit order. The data files' column statistics
+//! give the watermark without reading any data: each file contributes its largest event
+//! time to every commit after its own.
 //!
 //! Files the gateway or a load committed hold one commit each, so the steps are per
 //! commit, as a live job reading one commit per step sees them. A compacted file holds
@@ -42,9 +43,9 @@ const KEPT_COMMITS_PER_QUERY: usize = 500;
 /// The reader's watermark as a function of arrival time (see the module documentation).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ArrivalWatermarks {
-    /// ((largest ingest time, sequence number) of a file, running maximum of event time
-    /// up to it), by arrival.
-    steps: Vec<((i64, i64), i64)>,
+    /// (sequence number of a file's commit, running maximum of event time up to it), by
+    /// commit.
+    steps: Vec<(i64, i64)>,
     /// Of each data file, by path.
     files: std::collections::HashMap<String, FileArrival>,
     bound_us: i64,
@@ -68,8 +69,8 @@ struct FileArrival {
     lineage: bool,
 }
 
-/// Where a record stands in arrival order: (ingest time, sequence number of its file).
-pub type ArrivalKey = (i64, i64);
+/// Where a record stands in arrival order: the sequence number of its commit.
+pub type ArrivalKey = i64;
 
 /// What a data file's column statistics tell of its arrival: of all its records, or of
 /// those of one commit of a file with row lineage (a file is then given once per commit
@@ -97,10 +98,7 @@ pub struct ArrivedFile {
 impl ArrivalWatermarks {
     /// From the files' statistics.
     pub fn from_files(files: Vec<ArrivedFile>, bound_us: i64) -> Self {
-        let mut keyed: Vec<((i64, i64), i64)> = files
-            .iter()
-            .map(|f| ((f.last_ingest, f.sequence), f.last_event))
-            .collect();
+        let mut keyed: Vec<(i64, i64)> = files.iter().map(|f| (f.sequence, f.last_event)).collect();
         keyed.sort_unstable();
         let mut running = i64::MIN;
         let steps = keyed
@@ -117,14 +115,11 @@ impl ArrivalWatermarks {
         };
         let mut by_path: std::collections::HashMap<String, FileArrival> = Default::default();
         for f in files {
-            let first_key = f.first_ingest.map(|a| (a, f.sequence));
-            let first = first_key.map_or(i64::MIN, |(a, s)| w.at(a, s));
-            let last = (f.last_ingest, f.sequence);
-            // The watermark never goes back, so records that arrived between two
-            // arrivals at one watermark arrived at that one too.
-            let uniform = first_key
-                .filter(|_| f.null_free && w.at(last.0, last.1) == first)
-                .map(|_| first);
+            // Every record of a commit arrived at the watermark before it.
+            let first_key = f.first_ingest.map(|_| f.sequence);
+            let first = first_key.map_or(i64::MIN, |s| w.at(s));
+            let last = f.sequence;
+            let uniform = first_key.filter(|_| f.null_free).map(|_| first);
             let arrival = FileArrival {
                 sequence: f.sequence,
                 first_watermark: first,
@@ -157,49 +152,45 @@ impl ArrivalWatermarks {
         self.files.get(path).is_some_and(|f| f.lineage)
     }
 
-    /// The sequence number of the data file at `path` (`i64::MAX` when unknown: only
-    /// ingest time then orders its records); of a file with lineage, its records' lowest.
+    /// The sequence number of the data file at `path` (`i64::MAX` when unknown: its
+    /// records then come after every commit); of a file with lineage, its records' lowest.
     pub fn sequence_of(&self, path: &str) -> i64 {
         self.files.get(path).map_or(i64::MAX, |f| f.sequence)
     }
 
-    /// The lowest watermark a record of the data file at `path` arrived at: the one its
-    /// first record (by ingest time) arrived at, since the watermark never goes back.
-    /// `i64::MIN` when the file's lowest ingest time is unknown.
+    /// The lowest watermark a record of the data file at `path` arrived at: the one before
+    /// its (first) commit, since the watermark never goes back. `i64::MIN` when the file's
+    /// lowest ingest time is unknown (its records are refused, or judged with care).
     pub fn first_of(&self, path: &str) -> i64 {
         self.files.get(path).map_or(i64::MIN, |f| f.first_watermark)
     }
 
     /// The one watermark every record of the data file at `path` arrived at, when its
-    /// statistics prove there is one: its first and last arrivals came at the same
-    /// watermark (no other file arrived in between: a file the gateway committed), and
-    /// it holds no record without an arrival time or a value of the columns vouched for
+    /// statistics prove there is one: a file of one commit (not a compacted one) that
+    /// holds no record without an arrival time or a value of the columns vouched for
     /// ([`ArrivedFile::null_free`]). Its records can then be judged without reading their
     /// arrival times.
     pub fn uniform_of(&self, path: &str) -> Option<i64> {
         self.files.get(path).and_then(|f| f.uniform)
     }
 
-    /// When the data file at `path` arrived: the (ingest time, sequence number) of its
-    /// first record (`None` when its lowest ingest time is unknown) and of its last,
-    /// which order records as [`ArrivalWatermarks::at`] does. `None` for a file without
-    /// statistics.
+    /// When the data file at `path` arrived: the commit of its first record (`None` when
+    /// its lowest ingest time is unknown) and of its last, which order records as
+    /// [`ArrivalWatermarks::at`] does. `None` for a file without statistics.
     pub fn arrival_of(&self, path: &str) -> Option<(Option<ArrivalKey>, ArrivalKey)> {
         self.files.get(path).map(|f| (f.first, f.last))
     }
 
-    /// The watermark a reader had just before a record ingested at `ingest_us` in the
-    /// data file with sequence number `sequence`: the largest event time of the files
-    /// that arrived entirely before it, minus the bound (`i64::MIN` when none did).
-    pub fn at(&self, ingest_us: i64, sequence: i64) -> i64 {
-        let key = (ingest_us, sequence);
-        self.after_steps(self.steps.partition_point(|(a, _)| *a < key))
+    /// The watermark a reader had just before a record of the commit with sequence
+    /// number `sequence`: the largest event time of the commits before it, minus the
+    /// bound (`i64::MIN` when none came before).
+    pub fn at(&self, sequence: i64) -> i64 {
+        self.after_steps(self.steps.partition_point(|(s, _)| *s < sequence))
     }
 
     /// A cursor that answers [`ArrivalWatermarks::at`] for a run of records, searching
-    /// only when a record falls outside the previous one's step. The records of one data
-    /// file arrive in about the order they were ingested, so a file's records rarely
-    /// search at all.
+    /// only when a record falls outside the previous one's step: the records of one data
+    /// file share their commit, so a file's records search once.
     pub fn cursor(&self) -> ArrivalCursor<'_> {
         ArrivalCursor {
             watermarks: self,
@@ -233,13 +224,13 @@ pub struct ArrivalCursor<'a> {
 impl ArrivalCursor<'_> {
     /// [`ArrivalWatermarks::at`].
     #[inline]
-    pub fn at(&mut self, ingest_us: i64, sequence: i64) -> i64 {
-        let key = (ingest_us, sequence);
+    pub fn at(&mut self, sequence: i64) -> i64 {
         let steps = &self.watermarks.steps;
         let n = self.before;
-        let still = (n == 0 || steps[n - 1].0 < key) && steps.get(n).is_none_or(|s| s.0 >= key);
+        let still =
+            (n == 0 || steps[n - 1].0 < sequence) && steps.get(n).is_none_or(|s| s.0 >= sequence);
         if !still {
-            self.before = steps.partition_point(|(a, _)| *a < key);
+            self.before = steps.partition_point(|(s, _)| *s < sequence);
         }
         self.watermarks.after_steps(self.before)
     }
@@ -649,8 +640,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_watermark_steps_after_each_file_and_never_goes_back() {
-        // (largest ingest, sequence, largest event time): the third file is late data.
+    fn the_watermark_steps_after_each_commit_and_never_goes_back() {
+        // (largest ingest, sequence, largest event time): the second commit is late data.
         let f = |p: &str, a, s, t| ArrivedFile {
             path: p.to_string(),
             lineage: false,
@@ -664,27 +655,34 @@ mod tests {
             vec![f("c", 30, 3, 1_000), f("a", 10, 1, 500), f("b", 20, 2, 100)],
             5,
         );
-        assert_eq!(w.at(5, 0), i64::MIN);
-        assert_eq!(w.at(10, w.sequence_of("a")), i64::MIN, "not before itself");
-        assert_eq!(w.at(11, 0), 495);
-        assert_eq!(w.at(21, 0), 495, "late data does not move it back");
-        assert_eq!(w.at(31, 0), 995);
+        assert_eq!(w.at(1), i64::MIN, "not after its own commit");
+        assert_eq!(w.at(2), 495);
+        assert_eq!(w.at(3), 495, "late data does not move it back");
+        assert_eq!(w.at(4), 995);
         assert_eq!(w.files(), 3);
-        // A file's first record arrived (ingest 3 before its last) after the files
-        // whose last arrival was before it.
         assert_eq!(w.first_of("a"), i64::MIN);
         assert_eq!(w.first_of("b"), 495);
         assert_eq!(w.first_of("c"), 495);
         assert_eq!(w.first_of("unknown"), i64::MIN);
-        // One clock for a whole load: commit order decides.
+        assert_eq!(w.uniform_of("c"), Some(495), "one commit, one watermark");
+        // Commit order decides, whatever the stamps: a load resumed with its first run's
+        // clock, or a gateway's group stamped before another's and committed after it.
         let w = ArrivalWatermarks::from_files(
-            vec![f("x", 7, 1, 100), f("y", 7, 2, 200), f("z", 7, 3, 50)],
+            vec![f("x", 90, 1, 100), f("y", 7, 2, 200), f("z", 50, 3, 50)],
             0,
         );
-        assert_eq!(w.at(7, w.sequence_of("x")), i64::MIN);
-        assert_eq!(w.at(7, w.sequence_of("y")), 100);
-        assert_eq!(w.at(7, w.sequence_of("z")), 200);
+        assert_eq!(w.at(w.sequence_of("x")), i64::MIN);
+        assert_eq!(w.at(w.sequence_of("y")), 100);
+        assert_eq!(w.at(w.sequence_of("z")), 200);
         assert_eq!(w.sequence_of("unknown"), i64::MAX);
+        // Two files of one commit (two days of a gateway's group): neither is before the
+        // other.
+        let w = ArrivalWatermarks::from_files(
+            vec![f("d1", 10, 1, 100), f("d2", 20, 1, 900), f("e", 30, 2, 0)],
+            0,
+        );
+        assert_eq!(w.first_of("d2"), i64::MIN);
+        assert_eq!(w.at(2), 900);
     }
 
     #[test]
@@ -720,11 +718,11 @@ mod tests {
 
     proptest::proptest! {
         /// The cursor answers as a search from scratch, whatever order records come in:
-        /// runs in arrival order (one file's records), jumps back, ties with a step.
+        /// runs of one commit, jumps back, ties with a step.
         #[test]
         fn the_cursor_answers_as_a_search(
             files in proptest::collection::vec((0i64..50, 0i64..4, -100i64..100), 0..12),
-            records in proptest::collection::vec((0i64..55, 0i64..5), 0..60),
+            records in proptest::collection::vec(0i64..5, 0..60),
         ) {
             let w = ArrivalWatermarks::from_files(
                 files.iter().enumerate().map(|(i, &(a, s, t))| ArrivedFile {
@@ -741,28 +739,26 @@ mod tests {
             let mut cursor = w.cursor();
             let mut sorted = records.clone();
             sorted.sort_unstable();
-            for (ingest, seq) in records.into_iter().chain(sorted) {
-                proptest::prop_assert_eq!(cursor.at(ingest, seq), w.at(ingest, seq));
+            for seq in records.into_iter().chain(sorted) {
+                proptest::prop_assert_eq!(cursor.at(seq), w.at(seq));
             }
-            // No record of a file arrives below the file's first watermark.
-            for (i, &(a, s, _)) in files.iter().enumerate() {
+            for (i, &(_, s, _)) in files.iter().enumerate() {
                 let path = format!("f{i}");
-                let first = if i % 3 != 0 { a - i as i64 % 5 } else { i64::MIN };
-                for ingest in first.max(a - 6)..=a {
-                    proptest::prop_assert!(w.first_of(&path) <= w.at(ingest, s));
-                }
+                // No record of a file arrives below the file's first watermark, and each
+                // arrives at the watermark before its commit.
+                proptest::prop_assert!(w.first_of(&path) <= w.at(s));
                 if i % 3 != 0 {
-                    proptest::prop_assert_eq!(w.first_of(&path), w.at(first, s));
+                    proptest::prop_assert_eq!(w.first_of(&path), w.at(s));
                 }
-                // A uniform watermark is the one every arrival in the file's bounds gets,
-                // and one is known whenever the bounds and null counts prove it.
+                // The watermark before a commit is the bound off the largest event time
+                // of the commits before it.
+                let before = files.iter().filter(|f| f.1 < s).map(|f| f.2).max();
+                proptest::prop_assert_eq!(w.at(s), before.map_or(i64::MIN, |t| t - 3));
+                // A uniform watermark is known whenever the bounds and null counts prove it.
                 let uniform = w.uniform_of(&path);
-                let proven = i % 3 != 0 && i % 2 == 0 && w.at(first, s) == w.at(a, s);
-                proptest::prop_assert_eq!(uniform.is_some(), proven);
+                proptest::prop_assert_eq!(uniform.is_some(), i % 3 != 0 && i % 2 == 0);
                 if let Some(wm) = uniform {
-                    for ingest in first..=a {
-                        proptest::prop_assert_eq!(w.at(ingest, s), wm);
-                    }
+                    proptest::prop_assert_eq!(w.at(s), wm);
                 }
             }
         }

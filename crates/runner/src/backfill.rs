@@ -2174,10 +2174,10 @@ impl Running {
                 .map(|t| {
                     arrivals
                         .arrival_of(&t.data_file_path)
-                        .map_or((i64::MAX, i64::MAX), |a| a.1)
+                        .map_or(i64::MAX, |a| a.1)
                 })
                 .max()
-                .unwrap_or((i64::MAX, i64::MAX));
+                .unwrap_or(i64::MAX);
             let own: std::collections::HashSet<&str> =
                 main.iter().map(|t| t.data_file_path.as_str()).collect();
             // Where a file arrived is known from its ingest-time bounds; a file without
@@ -2397,7 +2397,7 @@ impl Running {
         let last = sub.to_us == self.record.to_us;
         // The input's watermark: a window it has not passed may still gain records (in the
         // live job, later); it is as partial as one crossing the range's end.
-        let input_watermark = pin.arrivals.at(i64::MAX, i64::MAX);
+        let input_watermark = pin.arrivals.at(i64::MAX);
         let finishing = Instant::now();
         let mut rows = engine.finish(BACKFILL_PROC_TIME);
         stages.add(Stage::Engine, finishing);
@@ -2592,19 +2592,18 @@ fn with_arrival_watermark(
             ),
         ));
     }
-    let mut cursor = arrivals.cursor();
-    // Records of a file with row lineage (a compacted file) arrived in their own
-    // commits, which the batch's lineage column holds; it goes no further.
+    // The records of a file arrived in its commit, at the watermark before it; those of a
+    // file with row lineage (a compacted file) in their own commits, which the batch's
+    // lineage column holds.
     let Some(at) = batch
         .schema()
         .index_of(signalweave_lake::LINEAGE_COLUMN)
         .ok()
     else {
-        let wm = arrow::array::Int64Array::from_iter_values(
-            arrival.values().iter().map(|&a| cursor.at(a, sequence)),
-        );
+        let wm = arrow::array::Int64Array::from_value(arrivals.at(sequence), batch.num_rows());
         return with_column(batch, ROW_WATERMARK, Arc::new(wm));
     };
+    let mut cursor = arrivals.cursor();
     let lineage = arrow::array::AsArray::as_primitive_opt::<arrow::datatypes::Int64Type>(
         batch.column(at).as_ref(),
     )
@@ -2615,13 +2614,8 @@ fn with_arrival_watermark(
             "events read with their lineage lack it for some rows",
         )
     })?;
-    let wm = arrow::array::Int64Array::from_iter_values(
-        arrival
-            .values()
-            .iter()
-            .zip(lineage.values())
-            .map(|(&a, &s)| cursor.at(a, s)),
-    );
+    let wm =
+        arrow::array::Int64Array::from_iter_values(lineage.values().iter().map(|&s| cursor.at(s)));
     let others: Vec<usize> = (0..batch.num_columns()).filter(|&i| i != at).collect();
     let batch = batch
         .project(&others)
