@@ -14,7 +14,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::cli::{Proc, count, erase_cmd, get, ok, sql, sw, wait_until};
+use support::cli::{Proc, count, erase_cmd, get, ok, run_market_aggregates, sql, sw, wait_until};
 
 const FROM: &str = "2026-01-01T00:00:00Z";
 const TO: &str = "2026-01-01T03:00:00Z";
@@ -715,15 +715,7 @@ fn a_new_version_is_compared_promoted_served_and_rolled_back() {
         "{said}"
     );
     ok(backfill_cmd(&lake, "rollback", "fix_lateness"));
-    ok(sw(&lake)
-        .args([
-            "run",
-            "--job",
-            "jobs/market_aggregates.toml",
-            "--until-caught-up",
-        ])
-        .output()
-        .unwrap());
+    run_market_aggregates(&lake);
     assert_eq!(
         count(
             &lake,

@@ -20,7 +20,7 @@ use std::time::Duration;
 use serde_json::Value;
 use signalweave_lake::{CommitIdentity, Lake, LakeConfig};
 use signalweave_window::{AggValue, Completeness, Emissions, JobSpec, OutputRow};
-use support::cli::{Proc, count, ok, sql, sw, wait_until};
+use support::cli::{Proc, count, ok, run_market_aggregates, sql, sw, wait_until};
 
 const FROM: &str = "2026-01-01T00:00:00Z";
 const TO: &str = "2026-01-01T04:00:00Z";
@@ -703,15 +703,7 @@ fn a_sum_past_64_bits_and_a_job_that_wrote_nothing_are_findings() {
     assert_eq!(finding_kinds(&r), ["no_outputs"], "{}", r["findings"]);
     assert!(u(&r, "/findings/0/count") > 0, "{}", r["findings"]);
     // After.
-    ok(sw(&lake)
-        .args([
-            "run",
-            "--job",
-            "jobs/market_aggregates.toml",
-            "--until-caught-up",
-        ])
-        .output()
-        .unwrap());
+    run_market_aggregates(&lake);
     let (o, r) = run("2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z", "after");
     assert_eq!(o.status.code(), Some(1), "{}", r["findings"]);
     assert_eq!(u(&r, "/windows/mismatched"), 1, "{}", r["windows"]);
@@ -803,15 +795,7 @@ fn records_are_judged_in_commit_order_not_by_their_stamps() {
             .unwrap();
         }
     });
-    ok(sw(&lake)
-        .args([
-            "run",
-            "--job",
-            "jobs/market_aggregates.toml",
-            "--until-caught-up",
-        ])
-        .output()
-        .unwrap());
+    run_market_aggregates(&lake);
     let late = |namespace: &str| {
         sql(
             &lake,

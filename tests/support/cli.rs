@@ -41,6 +41,20 @@ pub fn sql(lake: &Path, query: &str) -> Vec<serde_json::Map<String, Value>> {
     serde_json::from_str(&out).unwrap()
 }
 
+/// Runs the live `market_aggregates` job (`jobs/market_aggregates.toml`) until it has
+/// read every commit.
+pub fn run_market_aggregates(lake: &Path) -> String {
+    ok(sw(lake)
+        .args([
+            "run",
+            "--job",
+            "jobs/market_aggregates.toml",
+            "--until-caught-up",
+        ])
+        .output()
+        .unwrap())
+}
+
 pub fn count(lake: &Path, query: &str) -> i64 {
     sql(lake, query)[0]
         .values()

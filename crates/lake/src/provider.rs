@@ -129,27 +129,38 @@ fn unwrap_cast(e: &Expr) -> &Expr {
     }
 }
 
-/// Narrows `[from, to)` (µs) by conjuncts of the form `column <op> timestamp literal`.
-fn narrow(expr: &Expr, column: &str, from: &mut i64, to: &mut i64) {
+/// Calls `f` with each conjunct of `expr` (its `AND`s taken apart).
+fn each_conjunct<'a>(expr: &'a Expr, f: &mut impl FnMut(&'a Expr)) {
     match expr {
         Expr::BinaryExpr(BinaryExpr {
             left,
             op: Operator::And,
             right,
         }) => {
-            narrow(left, column, from, to);
-            narrow(right, column, from, to);
+            each_conjunct(left, f);
+            each_conjunct(right, f);
         }
-        Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
-            let (l, r) = (unwrap_cast(left), unwrap_cast(right));
-            let (op, value) = match (l, r) {
-                (Expr::Column(c), Expr::Literal(v, _)) if c.name == column => (*op, v),
-                (Expr::Literal(v, _), Expr::Column(c)) if c.name == column => match op.swap() {
-                    Some(op) => (op, v),
-                    None => return,
-                },
-                _ => return,
-            };
+        other => f(other),
+    }
+}
+
+/// `expr` as `column <op> literal` (either side, casts unwrapped): the operator as seen
+/// from the column, and the literal.
+fn compared<'a>(expr: &'a Expr, column: &str) -> Option<(Operator, &'a ScalarValue)> {
+    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = expr else {
+        return None;
+    };
+    match (unwrap_cast(left), unwrap_cast(right)) {
+        (Expr::Column(c), Expr::Literal(v, _)) if c.name == column => Some((*op, v)),
+        (Expr::Literal(v, _), Expr::Column(c)) if c.name == column => Some((op.swap()?, v)),
+        _ => None,
+    }
+}
+
+/// Narrows `[from, to)` (µs) by conjuncts of the form `column <op> timestamp literal`.
+fn narrow(expr: &Expr, column: &str, from: &mut i64, to: &mut i64) {
+    each_conjunct(expr, &mut |e| {
+        if let Some((op, value)) = compared(e, column) {
             let Some(v) = literal_us(value) else { return };
             match op {
                 Operator::GtEq => *from = (*from).max(v),
@@ -162,65 +173,44 @@ fn narrow(expr: &Expr, column: &str, from: &mut i64, to: &mut i64) {
                 }
                 _ => {}
             }
-        }
-        Expr::Between(b) if !b.negated => {
-            if let (Expr::Column(c), Expr::Literal(lo, _), Expr::Literal(hi, _)) = (
+        } else if let Expr::Between(b) = e
+            && !b.negated
+            && let (Expr::Column(c), Expr::Literal(lo, _), Expr::Literal(hi, _)) = (
                 unwrap_cast(&b.expr),
                 unwrap_cast(&b.low),
                 unwrap_cast(&b.high),
-            ) && c.name == column
-            {
-                if let Some(lo) = literal_us(lo) {
-                    *from = (*from).max(lo);
-                }
-                if let Some(hi) = literal_us(hi) {
-                    *to = (*to).min(hi.saturating_add(1));
-                }
+            )
+            && c.name == column
+        {
+            if let Some(lo) = literal_us(lo) {
+                *from = (*from).max(lo);
+            }
+            if let Some(hi) = literal_us(hi) {
+                *to = (*to).min(hi.saturating_add(1));
             }
         }
-        _ => {}
-    }
+    });
 }
 
 /// Raises `lowest`, the least data sequence number a row can be in, by conjuncts of the
 /// form `sw_commit_sequence > n` or `>= n` (the column of
 /// [`LakeTableProvider::with_commit_sequence`]).
 fn lowest_sequence(expr: &Expr, lowest: &mut i64) {
-    match expr {
-        Expr::BinaryExpr(BinaryExpr {
-            left,
-            op: Operator::And,
-            right,
-        }) => {
-            lowest_sequence(left, lowest);
-            lowest_sequence(right, lowest);
+    each_conjunct(expr, &mut |e| {
+        let Some((op, value)) = compared(e, COMMIT_SEQUENCE_COLUMN) else {
+            return;
+        };
+        let n = match value {
+            ScalarValue::Int64(Some(n)) => *n,
+            ScalarValue::Int32(Some(n)) => i64::from(*n),
+            _ => return,
+        };
+        match op {
+            Operator::Gt => *lowest = (*lowest).max(n.saturating_add(1)),
+            Operator::GtEq => *lowest = (*lowest).max(n),
+            _ => {}
         }
-        Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
-            let (op, value) = match (unwrap_cast(left), unwrap_cast(right)) {
-                (Expr::Column(c), Expr::Literal(v, _)) if c.name == COMMIT_SEQUENCE_COLUMN => {
-                    (*op, v)
-                }
-                (Expr::Literal(v, _), Expr::Column(c)) if c.name == COMMIT_SEQUENCE_COLUMN => {
-                    match op.swap() {
-                        Some(op) => (op, v),
-                        None => return,
-                    }
-                }
-                _ => return,
-            };
-            let n = match value {
-                ScalarValue::Int64(Some(n)) => *n,
-                ScalarValue::Int32(Some(n)) => i64::from(*n),
-                _ => return,
-            };
-            match op {
-                Operator::Gt => *lowest = (*lowest).max(n.saturating_add(1)),
-                Operator::GtEq => *lowest = (*lowest).max(n),
-                _ => {}
-            }
-        }
-        _ => {}
-    }
+    });
 }
 
 /// The object-store URL and path of a data file location.
